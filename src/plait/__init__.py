@@ -1,0 +1,35 @@
+"""plait: collective communication for Python and PyTorch.
+
+Shared memory between ranks of one host, TCP between hosts, topology-aware algorithms.
+Use it directly on numpy arrays and torch CPU tensors (``plait.init``) or as the
+``torch.distributed`` backend ``"plait"``.
+"""
+
+from __future__ import annotations
+
+from .comm import Communicator, Work, init
+from .errors import (
+    ClosedError,
+    CommTimeoutError,
+    MismatchError,
+    PeerFailedError,
+    PlaitError,
+    TransportError,
+)
+from .reduce import ReduceOp
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClosedError",
+    "CommTimeoutError",
+    "Communicator",
+    "MismatchError",
+    "PeerFailedError",
+    "PlaitError",
+    "ReduceOp",
+    "TransportError",
+    "Work",
+    "__version__",
+    "init",
+]

@@ -1,0 +1,1 @@
+"""plait's command line: ``plait <command> ...``."""

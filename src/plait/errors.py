@@ -1,0 +1,40 @@
+"""plait's typed errors.
+
+Every error message names this rank, the operation and, where there is one, its sequence
+number and the peer involved, so that a log line from any rank says what went wrong where.
+"""
+
+from __future__ import annotations
+
+
+class PlaitError(RuntimeError):
+    """Base class of every error plait raises at run time."""
+
+
+class CommTimeoutError(PlaitError, TimeoutError):
+    """A wait passed its deadline (the operation's timeout or a ``Work.wait`` timeout)."""
+
+
+class PeerFailedError(PlaitError):
+    """A peer process died, closed its communicator or broke its connection."""
+
+    def __init__(self, message: str, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+class MismatchError(PlaitError):
+    """Ranks called different operations, or the same operation with incompatible arguments."""
+
+
+class TransportError(PlaitError):
+    """A transport failed: a bad frame, a refused handshake, a socket error."""
+
+
+class ClosedError(PlaitError):
+    """The communicator was closed or aborted."""
+
+
+def where(rank: int, op: str, seq: int | None = None) -> str:
+    """The common prefix of error messages: ``rank 3, allreduce #41``."""
+    return f"rank {rank}, {op}" + (f" #{seq}" if seq is not None else "")

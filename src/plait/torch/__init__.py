@@ -1,0 +1,1 @@
+"""plait as a torch.distributed backend (filled in by the torch-backend work)."""
