@@ -11,5 +11,5 @@ def autoload() -> None:
         from . import backend
 
         backend.register()
-    except Exception:  # noqa: BLE001 - see the module docstring
+    except Exception:  # see the module docstring
         pass

@@ -1,0 +1,988 @@
+"""The Communicator: plait's public API on numpy arrays and torch CPU tensors.
+
+Every public method validates its arguments first (errors name the rank, the operation and
+the problem, before any communication), then hands a closure to ``_submit``, which keeps
+collectives in issue order: a synchronous operation on an idle communicator runs on the
+caller's thread (handing it to another thread costs more than a small shared-memory
+exchange), anything else goes through this communicator's progress thread.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import p2p as p2pmod
+from .algorithms import (
+    allgather_bruck,
+    allgather_ring,
+    allreduce_rd,
+    allreduce_ring,
+    alltoall_pairwise,
+    barrier_dissemination,
+    broadcast_chain,
+    broadcast_tree,
+    direct,
+    gather_linear,
+    reduce_scatter_ring,
+    reduce_tree,
+)
+from .algorithms.schedule import Schedule
+from .buffers import Buf, as_buf, expect_count, same_dtype
+from .config import Config, to_seconds
+from .errors import ClosedError, CommTimeoutError, PeerFailedError, PlaitError
+from .executor import OpCtx, Waiter, run
+from .reduce import ReduceOp, Reducer, divide
+from .rendezvous import bind_address, host_identity, launcher_rank_size, store_from_env
+from .transport import shm, wire
+from .transport.channels import (
+    CollInbox,
+    ShmRecv,
+    ShmRing,
+    ShmSend,
+    TcpRecv,
+    TcpSend,
+    peer_lost_error,
+)
+from .transport.futex import Bell, cpu_count, private_bell
+from .transport.tcp import Outbound, TcpHub, recv_exact_into
+from .tuning import selector
+
+log = logging.getLogger("plait")
+
+MAX_TAG = 2**31
+
+
+# -- Work ---------------------------------------------------------------------------------
+
+
+class Work:
+    """The handle of an asynchronous operation."""
+
+    __slots__ = ("_callbacks", "_event", "_exc", "_lock", "source")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._exc: BaseException | None = None
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[Work], Any]] | None = []
+        self.source: int | None = None
+
+    def _finish(self, source: int | None = None) -> None:
+        self.source = source
+        self._complete()
+
+    def _fail(self, exc: BaseException) -> None:
+        self._exc = exc
+        self._complete()
+
+    def _complete(self) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, None
+        for cb in callbacks or ():
+            try:
+                cb(self)
+            except Exception:  # noqa: BLE001 - a user callback must not break plait
+                log.exception("plait: a Work callback raised")
+
+    def wait(self, timeout: float | datetime.timedelta | None = None) -> bool:
+        """Block until done; raise the operation's error, or CommTimeoutError if this wait's
+        own ``timeout`` expires first (the operation keeps running)."""
+        t = None if timeout is None else to_seconds(timeout, 0.0)
+        if not self._event.wait(t):
+            raise CommTimeoutError(f"Work.wait: not completed within {t:g} s (the operation "
+                                   "is still running)")
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def is_completed(self) -> bool:
+        return self._event.is_set()
+
+    def exception(self) -> BaseException | None:
+        return self._exc if self._event.is_set() else None
+
+    def add_done_callback(self, fn: Callable[[Work], Any]) -> None:
+        """Call ``fn(work)`` once when the work completes (at once if it has)."""
+        with self._lock:
+            if self._callbacks is not None:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+
+def _done_work(source: int | None = None) -> Work:
+    w = Work()
+    w._finish(source)
+    return w
+
+
+# -- channels -----------------------------------------------------------------------------
+
+
+class _ShmChannel:
+    def __init__(self, seg: shm.Segment, me: int, peer_local: int, peer: int) -> None:
+        self.peer = peer
+        self.out_ring = ShmRing(seg, shm.KIND_COLL, me, peer_local)
+        self.in_ring = ShmRing(seg, shm.KIND_COLL, peer_local, me)
+        self.peer_bell = seg.bells[peer_local]
+
+    def send(self, view: np.ndarray, ctx: OpCtx, idx: int) -> ShmSend:
+        return ShmSend(self.peer, self.out_ring, view, ctx.seq, idx, self.peer_bell)
+
+    def recv(self, view: np.ndarray, reducer: Reducer | None, ctx: OpCtx, idx: int) -> ShmRecv:
+        return ShmRecv(self.peer, self.in_ring, view, reducer, ctx.seq, idx, self.peer_bell,
+                       ctx.where)
+
+
+class _TcpChannel:
+    def __init__(self, comm: Communicator, peer: int) -> None:
+        self.comm = comm
+        self.peer = peer
+        self.inbox = comm._inbox(peer)
+
+    def send(self, view: np.ndarray, ctx: OpCtx, idx: int) -> TcpSend:
+        return TcpSend(self.peer, self.comm._outbound(self.peer, ctx.deadline), view, ctx.seq,
+                       idx)
+
+    def recv(self, view: np.ndarray, reducer: Reducer | None, ctx: OpCtx, idx: int) -> TcpRecv:
+        return TcpRecv(self.peer, self.inbox, view, reducer, ctx.seq, idx, ctx.where)
+
+
+# -- init ---------------------------------------------------------------------------------
+
+
+def init(rank: int | None = None, world_size: int | None = None, *, store: Any = None,
+         timeout: float | datetime.timedelta | None = None) -> Communicator:
+    """Join a job and return its world communicator.
+
+    With no rank/size, they come from the launcher's variables (torchrun, Open MPI, PMI,
+    Slurm: first match wins). ``store``: a torch.distributed Store; by default a TCPStore
+    at MASTER_ADDR:MASTER_PORT (hosted by rank 0 unless torchrun's agent hosts it).
+    """
+    cfg = Config.from_env()
+    timeout_s = to_seconds(timeout, cfg.timeout)
+    if rank is None or world_size is None:
+        r, s, _ = launcher_rank_size()
+        rank = r if rank is None else rank
+        world_size = s if world_size is None else world_size
+    if not isinstance(rank, int) or not isinstance(world_size, int) or world_size < 1 \
+            or not 0 <= rank < world_size:
+        raise ValueError(f"plait.init: invalid rank {rank!r} for world size {world_size!r}")
+    owned_store = store is None
+    if store is None:
+        store = store_from_env(rank, world_size, timeout_s)
+    # Several communicators may be made on one store: each gets its own key prefix.
+    count = int(store.add("plait/inits", 1))
+    gen = (count - 1) // world_size
+    prefix = f"plait/{gen}"
+    if rank == 0:
+        job = os.urandom(16)
+        secret = _configured_secret(cfg) or os.urandom(32)
+        payload = job if _configured_secret(cfg) else job + secret
+        store.set(prefix + "/job", payload.hex())
+    else:
+        raw = bytes.fromhex(_get(store, prefix + "/job", timeout_s).decode())
+        job = raw[:16]
+        secret = _configured_secret(cfg) or raw[16:]
+    return Communicator(rank=rank, size=world_size, store=store, prefix=prefix,
+                        timeout=timeout_s, cfg=cfg, job=job, secret=secret,
+                        owned_store=store if owned_store else None)
+
+
+def _configured_secret(cfg: Config) -> bytes:
+    if cfg.secret:
+        return cfg.secret.encode()
+    if cfg.secret_file:
+        with open(cfg.secret_file, "rb") as f:
+            return f.read().strip()
+    return b""
+
+
+def _get(store: Any, key: str, timeout_s: float) -> bytes:
+    """store.get with our deadline (the store's own timeout may be shorter or longer)."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.0005
+    while True:
+        if store.check([key]):
+            return bytes(store.get(key))
+        if time.monotonic() > deadline:
+            raise CommTimeoutError(f"rendezvous: key {key!r} did not appear within "
+                                   f"{timeout_s:g} s (did every rank join?)")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+# -- the communicator ---------------------------------------------------------------------
+
+
+class Communicator:
+    """A group of ranks that run collectives and point-to-point operations together."""
+
+    def __init__(self, *, rank: int, size: int, store: Any, prefix: str, timeout: float,
+                 cfg: Config, job: bytes, secret: bytes, owned_store: Any = None) -> None:
+        self.rank = rank
+        self.size = size
+        self.timeout = timeout
+        self._cfg = cfg
+        self._store = store
+        self._owned_store = owned_store
+        self._prefix = prefix
+        self._job = job
+        self._secret = secret
+        self._uid = hashlib.sha256(job + prefix.encode()).digest()[:16]
+        self._closed = False
+        self._broken: BaseException | None = None
+        self._seq = 0
+        self._split_seq = 0
+        self._cv = threading.Condition()
+        self._queue: deque[tuple[int, str, Callable[[OpCtx], None], Work]] = deque()
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self._seg: shm.Segment | None = None
+        self._board: shm.SlotBoard | None = None
+        self._hub: TcpHub | None = None
+        self._inboxes: dict[int, CollInbox] = {}
+        self._chan_cache: dict[int, Any] = {}
+        self._tcp_addrs: dict[int, tuple[str, int]] = {}
+        self._p2p = p2pmod.Engine(rank)
+        self._p2p_lock = threading.Lock()
+        self._drainer: p2pmod.Drainer | None = None
+        self._shm_senders: dict[int, p2pmod.ShmSender] = {}
+        self._send_queues: dict[int, _SendQueue] = {}
+        self._lost: dict[int, BaseException] = {}
+        try:
+            self._setup()
+        except BaseException:
+            self._teardown()
+            raise
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def _setup(self) -> None:
+        cfg = self._cfg
+        deadline = time.monotonic() + self.timeout
+        me_host = host_identity(cfg.host_id)
+        self._store.set(f"{self._prefix}/info/{self.rank}",
+                        json.dumps({"host": me_host, "pid": os.getpid()}))
+        infos = [json.loads(_get(self._store, f"{self._prefix}/info/{r}", self.timeout))
+                 for r in range(self.size)]
+        self._hosts = [i["host"] for i in infos]
+        if cfg.transport == "tcp":
+            local = [self.rank]
+        else:
+            local = [r for r in range(self.size) if self._hosts[r] == me_host]
+        self._local_ranks = local
+        self._local_index = {r: i for i, r in enumerate(local)}
+        self._me_local = self._local_index[self.rank]
+        self.all_local = len(local) == self.size
+        remote = [r for r in range(self.size) if r not in self._local_index]
+        oversubscribed = len(local) > cpu_count()
+        spin = cfg.spin_us if cfg.spin_us >= 0 else (2.0 if oversubscribed else 50.0)
+        self._spin_s = spin * 1e-6
+        if len(local) > 1:
+            host_index = sorted(set(self._hosts)).index(me_host)
+            layout = shm.Layout(len(local), cfg.shm_slot_size, cfg.shm_chunk_size,
+                                cfg.shm_ring_chunks)
+            name = f"plait-{self._uid.hex()[:20]}-{host_index}-{os.getuid()}"
+            if self._me_local == 0:
+                self._seg = shm.create(name, layout, 0)
+                try:
+                    while not self._seg.ctl[:, shm.W_ATTACHED].all():
+                        if time.monotonic() > deadline:
+                            raise CommTimeoutError(
+                                f"rank {self.rank}, init: local ranks "
+                                f"{[r for r in local if not self._seg.ctl[self._local_index[r], shm.W_ATTACHED]]}"
+                                " did not attach to shared memory in time")
+                        time.sleep(0.0002)
+                finally:
+                    shm.unlink(name)
+            else:
+                self._seg = shm.attach(name, layout, self._me_local, deadline)
+            self._bell = self._seg.bells[self._me_local]
+            self._p2p_bell = self._seg.p2p_bells[self._me_local]
+        else:
+            self._bell = private_bell()
+            self._p2p_bell = private_bell()
+        self._waiter = Waiter(self._bell, self._spin_s, self._check_alive)
+        if self._seg is not None and self.all_local:
+            self._board = shm.SlotBoard(self._seg, self._waiter.wait)
+        self._situation = selector.Situation(self.size, self.all_local and self.size > 1,
+                                             bool(remote), cfg.shm_slot_size)
+        if remote:
+            host = bind_address(cfg.socket_ifname, self._store, local_rank=self._me_local)
+            self._hub = TcpHub(rank=self.rank, job=self._job, comm_uid=self._uid,
+                               secret=self._secret, bind_host=host,
+                               max_frame=cfg.tcp_chunk_size, on_frame=self._on_frame,
+                               on_peer_lost=self._on_peer_lost)
+            self._store.set(f"{self._prefix}/tcp/{self.rank}",
+                            f"{self._hub.address[0]}:{self._hub.address[1]}")
+        log.debug("rank %d: communicator %s of %d ranks, %d local", self.rank, self._prefix,
+                  self.size, len(local))
+
+    def _inbox(self, peer: int) -> CollInbox:
+        box = self._inboxes.get(peer)
+        if box is None:
+            box = self._inboxes.setdefault(peer, CollInbox(peer, self._bell))
+            if peer in self._lost:
+                box.fail(self._lost[peer])
+        return box
+
+    def _outbound(self, peer: int, deadline: float) -> Outbound:
+        assert self._hub is not None
+        out = self._hub.outbound.get(peer)
+        if out is not None:
+            return out
+        addr = self._tcp_addrs.get(peer)
+        if addr is None:
+            raw = _get(self._store, f"{self._prefix}/tcp/{peer}",
+                       max(0.001, deadline - time.monotonic())).decode()
+            host, _, port = raw.rpartition(":")
+            addr = self._tcp_addrs[peer] = (host, int(port))
+        return self._hub.connect(peer, addr, deadline)
+
+    def _channels(self, peer: int, ctx: OpCtx) -> Any:
+        ch = self._chan_cache.get(peer)
+        if ch is None:
+            if peer in self._local_index:
+                assert self._seg is not None
+                ch = _ShmChannel(self._seg, self._me_local, self._local_index[peer], peer)
+            else:
+                ch = _TcpChannel(self, peer)
+            self._chan_cache[peer] = ch
+        return ch
+
+    def _on_frame(self, peer: int, f: wire.Frame, sock: Any) -> None:
+        if f.kind == wire.KIND_COLL:
+            self._inbox(peer).deliver(f, sock)
+        else:
+            self._p2p.on_frame(peer, f, lambda dst: recv_exact_into(sock, memoryview(dst)))
+
+    def _on_peer_lost(self, peer: int, cause: BaseException | None) -> None:
+        exc = peer_lost_error(self.rank, peer, cause)
+        self._lost[peer] = exc
+        self._inbox(peer).fail(exc)
+        self._p2p.peer_failed(peer, exc)
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise ClosedError(f"rank {self.rank}: the communicator was closed")
+
+    # -- public helpers -------------------------------------------------------------------
+
+    def peer_transport(self, rank: int) -> str:
+        """Which transport this rank uses to reach ``rank``: "shm" or "tcp"."""
+        self._check_rank(rank, "peer_transport", "rank")
+        return "shm" if rank in self._local_index else "tcp"
+
+    def __repr__(self) -> str:
+        return (f"<plait.Communicator rank {self.rank} of {self.size}, "
+                f"{len(self._local_ranks)} local{', closed' if self._closed else ''}>")
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- sequencing -----------------------------------------------------------------------
+
+    def _check_usable(self, op: str) -> None:
+        if self._closed:
+            raise ClosedError(f"rank {self.rank}, {op}: the communicator is closed")
+        if self._broken is not None:
+            raise PlaitError(f"rank {self.rank}, {op}: the communicator is unusable after an "
+                             f"earlier failure: {self._broken}") from self._broken
+
+    def _submit(self, name: str, fn: Callable[[OpCtx], None], async_op: bool) -> Work | None:
+        with self._cv:
+            self._check_usable(name)
+            self._seq += 1
+            seq = self._seq
+            if not async_op and not self._busy and not self._queue:
+                self._busy = True
+                work = None
+            else:
+                work = Work()
+                self._queue.append((seq, name, fn, work))
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._progress_loop, daemon=True,
+                                                    name=f"plait-progress-r{self.rank}")
+                    self._thread.start()
+                self._cv.notify_all()
+        if work is None:
+            try:
+                self._execute(name, seq, fn)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    if self._queue:
+                        self._cv.notify_all()
+            return None
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def _execute(self, name: str, seq: int, fn: Callable[[OpCtx], None]) -> None:
+        if self._broken is not None:
+            self._check_usable(name)
+        ctx = OpCtx(self, name, seq, time.monotonic() + self.timeout)
+        try:
+            fn(ctx)
+        except (PlaitError, OSError) as exc:
+            if not isinstance(exc, ClosedError):
+                self._broken = exc
+            raise
+
+    def _progress_loop(self) -> None:
+        while True:
+            with self._cv:
+                while (self._busy or not self._queue) and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                seq, name, fn, work = self._queue.popleft()
+                self._busy = True
+            try:
+                self._execute(name, seq, fn)
+            except BaseException as exc:  # noqa: BLE001 - delivered through the Work
+                work._fail(exc)
+            else:
+                work._finish()
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    # -- validation helpers ---------------------------------------------------------------
+
+    def _check_rank(self, r: Any, op: str, what: str) -> int:
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < self.size:
+            raise ValueError(f"rank {self.rank}, {op}: {what} {r!r} is not a rank of this "
+                             f"communicator (0..{self.size - 1})")
+        return int(r)
+
+    def _buf(self, obj: Any, op: str, arg: str, writable: bool = False) -> Buf:
+        return as_buf(obj, rank=self.rank, op=op, arg=arg, writable=writable)
+
+    def _reducer(self, op: Any, b: Buf, name: str) -> tuple[ReduceOp, Reducer]:
+        rop = ReduceOp.parse(op, rank=self.rank, opname=name)
+        return rop, b.dtype.reducer(rop, rank=self.rank, opname=name)
+
+    def _counts(self, counts: Any, op: str, what: str) -> tuple[int, ...]:
+        try:
+            out = tuple(int(c) for c in counts)
+        except (TypeError, ValueError):
+            raise TypeError(f"rank {self.rank}, {op}: {what} must be a sequence of integers") \
+                from None
+        if len(out) != self.size:
+            raise ValueError(f"rank {self.rank}, {op}: {what} has {len(out)} entries, expected "
+                             f"one per rank ({self.size})")
+        if any(c < 0 for c in out):
+            raise ValueError(f"rank {self.rank}, {op}: {what} has a negative count")
+        return out
+
+    def _select(self, op: str, nbytes: int, slot_bytes: int) -> str:
+        return selector.select(op, nbytes, slot_bytes, self._situation, self._cfg.algo)
+
+    def _run(self, ctx: OpCtx, sched: Schedule, inbuf: np.ndarray | None,
+             outbuf: np.ndarray | None, reducer: Reducer | None, storage: np.dtype) -> None:
+        run(self, ctx, sched, inbuf, outbuf, reducer, storage)
+
+    # -- collectives ----------------------------------------------------------------------
+
+    def allreduce(self, buf: Any, op: Any = "sum", *, async_op: bool = False) -> Work | None:
+        """Reduce ``buf`` over all ranks, in place: every rank gets the result."""
+        b = self._buf(buf, "allreduce", "buf", writable=True)
+        rop, reducer = self._reducer(op, b, "allreduce")
+        algo = self._select("allreduce", b.nbytes, b.nbytes)
+        arr = b.arr
+        n = self.size
+
+        def fn(ctx: OpCtx) -> None:
+            if algo == "direct":
+                assert self._board is not None
+                direct.allreduce(self._board, ctx, arr, reducer)
+            elif n > 1:
+                mod = allreduce_ring if algo == "ring" else allreduce_rd
+                self._run(ctx, mod.schedule(self.rank, n, b.count), arr, arr, reducer,
+                          arr.dtype)
+            if rop is ReduceOp.AVG:
+                divide(arr, b.dtype, n)
+
+        return self._submit("allreduce", fn, async_op)
+
+    def reduce(self, buf: Any, root: int, op: Any = "sum", *, async_op: bool = False
+               ) -> Work | None:
+        """Reduce ``buf`` over all ranks into ``buf`` on ``root``; others' buf is unchanged."""
+        root = self._check_rank(root, "reduce", "root")
+        b = self._buf(buf, "reduce", "buf", writable=self.rank == root)
+        rop, reducer = self._reducer(op, b, "reduce")
+        algo = self._select("reduce", b.nbytes, b.nbytes)
+        arr = b.arr
+
+        def fn(ctx: OpCtx) -> None:
+            if algo == "direct":
+                assert self._board is not None
+                direct.reduce(self._board, ctx, arr, reducer, root)
+            elif self.size > 1:
+                self._run(ctx, reduce_tree.schedule(self.rank, self.size, b.count, root), arr,
+                          arr, reducer, arr.dtype)
+            if rop is ReduceOp.AVG and self.rank == root:
+                divide(arr, b.dtype, self.size)
+
+        return self._submit("reduce", fn, async_op)
+
+    def broadcast(self, buf: Any, root: int, *, async_op: bool = False) -> Work | None:
+        """Copy ``buf`` of ``root`` into ``buf`` of every rank."""
+        root = self._check_rank(root, "broadcast", "root")
+        b = self._buf(buf, "broadcast", "buf", writable=self.rank != root)
+        algo = self._select("broadcast", b.nbytes, b.nbytes)
+        arr = b.arr
+
+        def fn(ctx: OpCtx) -> None:
+            if algo == "direct":
+                assert self._board is not None
+                direct.broadcast(self._board, ctx, arr, root)
+            elif self.size > 1:
+                if algo == "chain":
+                    pieces = max(1, b.nbytes // max(self._cfg.shm_chunk_size, 1 << 18))
+                    sched = broadcast_chain.schedule(self.rank, self.size, b.count, root,
+                                                     min(pieces, 256))
+                else:
+                    sched = broadcast_tree.schedule(self.rank, self.size, b.count, root)
+                self._run(ctx, sched, arr, arr, None, arr.dtype)
+
+        return self._submit("broadcast", fn, async_op)
+
+    def allgather(self, sendbuf: Any, recvbuf: Any, *, async_op: bool = False) -> Work | None:
+        """Every rank's ``sendbuf``, rank-major, into every rank's ``recvbuf``."""
+        s = self._buf(sendbuf, "allgather", "sendbuf")
+        r = self._buf(recvbuf, "allgather", "recvbuf", writable=True)
+        same_dtype(s, r, rank=self.rank, op="allgather")
+        expect_count(r, self.size * s.count, rank=self.rank, op="allgather", arg="recvbuf",
+                     why=f"{self.size} ranks x {s.count} elements of sendbuf")
+        return self._allgatherv("allgather", s, r, (s.count,) * self.size, async_op)
+
+    def allgatherv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int], *,
+                   async_op: bool = False) -> Work | None:
+        """Like allgather, with ``counts[i]`` elements from rank i."""
+        s = self._buf(sendbuf, "allgatherv", "sendbuf")
+        r = self._buf(recvbuf, "allgatherv", "recvbuf", writable=True)
+        same_dtype(s, r, rank=self.rank, op="allgatherv")
+        cnt = self._counts(counts, "allgatherv", "counts")
+        expect_count(s, cnt[self.rank], rank=self.rank, op="allgatherv", arg="sendbuf",
+                     why=f"counts[{self.rank}]")
+        expect_count(r, sum(cnt), rank=self.rank, op="allgatherv", arg="recvbuf",
+                     why="the sum of counts")
+        return self._allgatherv("allgatherv", s, r, cnt, async_op)
+
+    def _allgatherv(self, name: str, s: Buf, r: Buf, cnt: tuple[int, ...], async_op: bool
+                    ) -> Work | None:
+        item = s.dtype.itemsize
+        algo = self._select(name, r.nbytes, max(cnt) * item)
+        sarr, rarr = s.arr, r.arr
+
+        def fn(ctx: OpCtx) -> None:
+            if algo == "direct":
+                assert self._board is not None
+                direct.allgatherv(self._board, ctx, sarr, rarr, cnt)
+                return
+            if algo == "bruck":
+                sched = allgather_bruck.schedule(self.rank, self.size, cnt)
+            else:
+                sched = allgather_ring.schedule(self.rank, self.size, cnt)
+            self._run(ctx, sched, sarr, rarr, None, rarr.dtype)
+
+        return self._submit(name, fn, async_op)
+
+    def gather(self, sendbuf: Any, recvbuf: Any, root: int, *, async_op: bool = False
+               ) -> Work | None:
+        """Every rank's ``sendbuf``, rank-major, into ``recvbuf`` on ``root``."""
+        root = self._check_rank(root, "gather", "root")
+        s = self._buf(sendbuf, "gather", "sendbuf")
+        rarr = None
+        if self.rank == root:
+            if recvbuf is None:
+                raise ValueError(f"rank {self.rank}, gather: recvbuf is required on the root")
+            r = self._buf(recvbuf, "gather", "recvbuf", writable=True)
+            same_dtype(s, r, rank=self.rank, op="gather")
+            expect_count(r, self.size * s.count, rank=self.rank, op="gather", arg="recvbuf",
+                         why=f"{self.size} ranks x {s.count} elements of sendbuf")
+            rarr = r.arr
+        algo = self._select("gather", s.nbytes * self.size, s.nbytes)
+        sarr = s.arr
+
+        def fn(ctx: OpCtx) -> None:
+            if algo == "direct":
+                assert self._board is not None
+                direct.gather(self._board, ctx, sarr, rarr, root)
+            else:
+                sched = gather_linear.gather(self.rank, self.size, s.count, root)
+                self._run(ctx, sched, sarr, rarr, None, sarr.dtype)
+
+        return self._submit("gather", fn, async_op)
+
+    def scatter(self, sendbuf: Any, recvbuf: Any, root: int, *, async_op: bool = False
+                ) -> Work | None:
+        """Block i of ``sendbuf`` on ``root`` into ``recvbuf`` of rank i."""
+        root = self._check_rank(root, "scatter", "root")
+        r = self._buf(recvbuf, "scatter", "recvbuf", writable=True)
+        sarr = None
+        if self.rank == root:
+            if sendbuf is None:
+                raise ValueError(f"rank {self.rank}, scatter: sendbuf is required on the root")
+            s = self._buf(sendbuf, "scatter", "sendbuf")
+            same_dtype(s, r, rank=self.rank, op="scatter")
+            expect_count(s, self.size * r.count, rank=self.rank, op="scatter", arg="sendbuf",
+                         why=f"{self.size} ranks x {r.count} elements of recvbuf")
+            sarr = s.arr
+        algo = self._select("scatter", r.nbytes * self.size, r.nbytes * self.size)
+        rarr = r.arr
+
+        def fn(ctx: OpCtx) -> None:
+            if algo == "direct":
+                assert self._board is not None
+                direct.scatter(self._board, ctx, sarr, rarr, root)
+            else:
+                sched = gather_linear.scatter(self.rank, self.size, r.count, root)
+                self._run(ctx, sched, sarr, rarr, None, rarr.dtype)
+
+        return self._submit("scatter", fn, async_op)
+
+    def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: Any = "sum", *,
+                       async_op: bool = False) -> Work | None:
+        """Block i of the reduction of every rank's ``sendbuf`` into ``recvbuf`` of rank i."""
+        s = self._buf(sendbuf, "reduce_scatter", "sendbuf")
+        r = self._buf(recvbuf, "reduce_scatter", "recvbuf", writable=True)
+        same_dtype(s, r, rank=self.rank, op="reduce_scatter")
+        expect_count(s, self.size * r.count, rank=self.rank, op="reduce_scatter",
+                     arg="sendbuf", why=f"{self.size} ranks x {r.count} elements of recvbuf")
+        rop, reducer = self._reducer(op, s, "reduce_scatter")
+        algo = self._select("reduce_scatter", s.nbytes, s.nbytes)
+        sarr, rarr = s.arr, r.arr
+
+        def fn(ctx: OpCtx) -> None:
+            if algo == "direct":
+                assert self._board is not None
+                direct.reduce_scatter(self._board, ctx, sarr, rarr, reducer)
+            else:
+                sched = reduce_scatter_ring.schedule(self.rank, self.size,
+                                                     (r.count,) * self.size)
+                self._run(ctx, sched, sarr, rarr, reducer, rarr.dtype)
+            if rop is ReduceOp.AVG:
+                divide(rarr, r.dtype, self.size)
+
+        return self._submit("reduce_scatter", fn, async_op)
+
+    def alltoall(self, sendbuf: Any, recvbuf: Any, *, async_op: bool = False) -> Work | None:
+        """Block j of ``sendbuf`` of rank i into block i of ``recvbuf`` of rank j."""
+        s = self._buf(sendbuf, "alltoall", "sendbuf")
+        r = self._buf(recvbuf, "alltoall", "recvbuf", writable=True)
+        same_dtype(s, r, rank=self.rank, op="alltoall")
+        if s.count % self.size:
+            raise ValueError(f"rank {self.rank}, alltoall: sendbuf has {s.count} elements, not "
+                             f"a multiple of the {self.size} ranks")
+        expect_count(r, s.count, rank=self.rank, op="alltoall", arg="recvbuf",
+                     why="the same as sendbuf")
+        c = s.count // self.size
+        return self._alltoallv("alltoall", s, (c,) * self.size, r, (c,) * self.size, async_op)
+
+    def alltoallv(self, sendbuf: Any, send_counts: Sequence[int], recvbuf: Any,
+                  recv_counts: Sequence[int], *, async_op: bool = False) -> Work | None:
+        """Like alltoall with ``send_counts[j]`` elements to rank j and ``recv_counts[i]``
+        from rank i (blocks packed in rank order)."""
+        s = self._buf(sendbuf, "alltoallv", "sendbuf")
+        r = self._buf(recvbuf, "alltoallv", "recvbuf", writable=True)
+        same_dtype(s, r, rank=self.rank, op="alltoallv")
+        sc = self._counts(send_counts, "alltoallv", "send_counts")
+        rc = self._counts(recv_counts, "alltoallv", "recv_counts")
+        expect_count(s, sum(sc), rank=self.rank, op="alltoallv", arg="sendbuf",
+                     why="the sum of send_counts")
+        expect_count(r, sum(rc), rank=self.rank, op="alltoallv", arg="recvbuf",
+                     why="the sum of recv_counts")
+        return self._alltoallv("alltoallv", s, sc, r, rc, async_op)
+
+    def _alltoallv(self, name: str, s: Buf, sc: tuple[int, ...], r: Buf, rc: tuple[int, ...],
+                   async_op: bool) -> Work | None:
+        algo = self._select(name, s.nbytes, s.nbytes)
+        sarr, rarr = s.arr, r.arr
+
+        def fn(ctx: OpCtx) -> None:
+            if algo == "direct":
+                assert self._board is not None
+                direct.alltoall(self._board, ctx, sarr, rarr)
+            else:
+                sched = alltoall_pairwise.schedule(self.rank, self.size, sc, rc)
+                self._run(ctx, sched, sarr, rarr, None, rarr.dtype)
+
+        return self._submit(name, fn, async_op)
+
+    def barrier(self, *, async_op: bool = False) -> Work | None:
+        """Return once every rank has entered the barrier."""
+        algo = self._select("barrier", 0, 0)
+
+        def fn(ctx: OpCtx) -> None:
+            if algo == "direct":
+                assert self._board is not None
+                direct.barrier(self._board, ctx)
+            elif self.size > 1:
+                empty = np.empty(0, dtype=np.uint8)
+                self._run(ctx, barrier_dissemination.schedule(self.rank, self.size), empty,
+                          empty, None, empty.dtype)
+
+        return self._submit("barrier", fn, async_op)
+
+    # -- point to point -------------------------------------------------------------------
+
+    def _check_tag(self, tag: Any, op: str) -> int:
+        if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) \
+                or not 0 <= tag < MAX_TAG:
+            raise ValueError(f"rank {self.rank}, {op}: tag {tag!r} must be an int in "
+                             f"[0, 2**31)")
+        return int(tag)
+
+    def _start_p2p(self) -> None:
+        if self._drainer is not None or self._seg is None:
+            return
+        with self._p2p_lock:
+            if self._drainer is not None:
+                return
+            seg = self._seg
+            rings = [(r, ShmRing(seg, shm.KIND_P2P, self._local_index[r], self._me_local),
+                      seg.p2p_bells[self._local_index[r]])
+                     for r in self._local_ranks if r != self.rank]
+            self._drainer = p2pmod.Drainer(self._p2p, rings, self._p2p_bell, self._spin_s,
+                                           f"plait-p2p-r{self.rank}")
+
+    def send(self, buf: Any, dst: int, tag: int = 0, *, async_op: bool = False) -> Work | None:
+        """Send ``buf`` to ``dst``; returns when ``buf`` may be reused."""
+        op = "isend" if async_op else "send"
+        self._check_usable(op)
+        dst = self._check_rank(dst, op, "dst")
+        tag = self._check_tag(tag, op)
+        b = self._buf(buf, op, "buf")
+        data = b.bytes()
+        if dst == self.rank:
+            self._p2p.deliver_local(tag, data.copy())
+            return _done_work() if async_op else None
+        self._start_p2p()
+        q = self._send_queues.get(dst)
+        if q is None:
+            with self._p2p_lock:
+                q = self._send_queues.setdefault(dst, _SendQueue(self, dst))
+        return q.submit(lambda: self._send_now(dst, tag, data, op), async_op)
+
+    def _send_now(self, dst: int, tag: int, data: np.ndarray, op: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        if dst in self._local_index:
+            sender = self._shm_senders.get(dst)
+            if sender is None:
+                assert self._seg is not None
+                pl = self._local_index[dst]
+                sender = self._shm_senders.setdefault(dst, p2pmod.ShmSender(
+                    self._seg, self._me_local, pl, dst, self._p2p_bell, self._seg.p2p_bells[pl]))
+            seq = self._seq
+            ctx = OpCtx(self, op, seq, deadline)
+            p2p_waiter = Waiter(self._p2p_bell, self._spin_s, self._check_alive)
+
+            def wait_space(ready: Callable[[], bool]) -> None:
+                p2p_waiter.wait(ready, ctx, lambda: f"rank {dst} to receive")
+
+            sender.send(tag, data, wait_space)
+        else:
+            if dst in self._lost:
+                raise self._lost[dst]
+            out = self._outbound(dst, deadline)
+            with out.lock:
+                seq = out.p2p_seq
+                out.p2p_seq += 1
+            out.send_message(wire.KIND_P2P, tag, seq, data)
+
+    def recv(self, buf: Any, src: int | None = None, tag: int = 0, *, async_op: bool = False
+             ) -> Any:
+        """Receive into ``buf`` from ``src`` (any rank if None); returns the source rank
+        (or a Work whose ``source`` is set when async)."""
+        op = "irecv" if async_op else "recv"
+        self._check_usable(op)
+        if src is not None:
+            src = self._check_rank(src, op, "src")
+        tag = self._check_tag(tag, op)
+        b = self._buf(buf, op, "buf", writable=True)
+        self._start_p2p()
+        work = Work()
+        self._p2p.post(p2pmod.Recv(b.bytes(), src, tag, work, f"rank {self.rank}, {op}"))
+        if async_op:
+            return work
+        if not work._event.wait(self.timeout):
+            raise CommTimeoutError(f"rank {self.rank}, recv: no message from "
+                                   f"{'any rank' if src is None else f'rank {src}'} with tag "
+                                   f"{tag} within {self.timeout:g} s")
+        work.wait()
+        return work.source
+
+    def isend(self, buf: Any, dst: int, tag: int = 0) -> Work:
+        w = self.send(buf, dst, tag, async_op=True)
+        assert w is not None
+        return w
+
+    def irecv(self, buf: Any, src: int | None = None, tag: int = 0) -> Work:
+        w = self.recv(buf, src, tag, async_op=True)
+        assert isinstance(w, Work)
+        return w
+
+    # -- split ----------------------------------------------------------------------------
+
+    def split(self, color: int | None, key: int = 0) -> Communicator | None:
+        """Collective over this communicator: ranks with equal ``color`` form a new
+        communicator, ordered by (key, rank here); ``color=None`` gets None."""
+        if color is not None and (isinstance(color, bool) or not isinstance(color, int)
+                                  or color < 0):
+            raise ValueError(f"rank {self.rank}, split: color must be a non-negative int or "
+                             f"None, not {color!r}")
+        if isinstance(key, bool) or not isinstance(key, int):
+            raise ValueError(f"rank {self.rank}, split: key must be an int, not {key!r}")
+        mine = np.array([-1 if color is None else color, key], dtype=np.int64)
+        everyone = np.empty(2 * self.size, dtype=np.int64)
+        self.allgather(mine, everyone)
+        self._split_seq += 1
+        if color is None:
+            return None
+        pairs = everyone.reshape(self.size, 2)
+        members = sorted((int(pairs[r, 1]), r) for r in range(self.size)
+                         if pairs[r, 0] == color)
+        ranks = [r for _, r in members]
+        prefix = f"{self._prefix}/split{self._split_seq}/c{color}"
+        return Communicator(rank=ranks.index(self.rank), size=len(ranks), store=self._store,
+                            prefix=prefix, timeout=self.timeout, cfg=self._cfg, job=self._job,
+                            secret=self._secret)
+
+    # -- closing --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free this rank's resources (local). Later calls raise ClosedError."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify_all()
+            pending = list(self._queue)
+            self._queue.clear()
+        exc = ClosedError(f"rank {self.rank}: the communicator was closed")
+        for _, _, _, work in pending:
+            work._fail(exc)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+        self._p2p.fail_all(exc)
+        self._teardown()
+
+    def _teardown(self) -> None:
+        for q in list(self._send_queues.values()):
+            q.close()
+        if self._drainer is not None:
+            self._drainer.close()
+            self._drainer = None
+        if self._hub is not None:
+            self._hub.close()
+            self._hub = None
+        if self._seg is not None:
+            self._seg.ctl[self._seg.me, shm.W_CLOSED] = 1
+            self._chan_cache.clear()
+            self._shm_senders.clear()
+            self._board = None
+            self._seg.close()
+            self._seg = None
+        self._owned_store = None
+
+    def __del__(self) -> None:
+        try:
+            if not self._closed:
+                self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class _SendQueue:
+    """Keeps sends to one peer in order; async sends progress on a thread of their own so
+    that a send waiting for a slow receiver never holds up others."""
+
+    def __init__(self, comm: Communicator, peer: int) -> None:
+        self.comm = comm
+        self.peer = peer
+        self.cv = threading.Condition()
+        self.items: deque[tuple[Callable[[], None], Work]] = deque()
+        self.busy = False
+        self.closed = False
+        self.thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable[[], None], async_op: bool) -> Work | None:
+        with self.cv:
+            if not async_op and not self.busy and not self.items:
+                self.busy = True
+                inline = True
+            else:
+                inline = False
+                work = Work()
+                self.items.append((fn, work))
+                if self.thread is None:
+                    self.thread = threading.Thread(target=self._loop, daemon=True,
+                                                   name=f"plait-send-r{self.comm.rank}-{self.peer}")
+                    self.thread.start()
+                self.cv.notify_all()
+        if inline:
+            try:
+                fn()
+            finally:
+                with self.cv:
+                    self.busy = False
+                    self.cv.notify_all()
+            return None
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def _loop(self) -> None:
+        while True:
+            with self.cv:
+                while (self.busy or not self.items) and not self.closed:
+                    self.cv.wait()
+                if not self.items:
+                    return
+                fn, work = self.items.popleft()
+                self.busy = True
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - delivered through the Work
+                work._fail(exc)
+            else:
+                work._finish()
+            finally:
+                with self.cv:
+                    self.busy = False
+                    self.cv.notify_all()
+
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            items = list(self.items)
+            self.items.clear()
+            self.cv.notify_all()
+        for _, w in items:
+            w._fail(ClosedError(f"rank {self.comm.rank}: the communicator was closed"))
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=10)

@@ -1,0 +1,720 @@
+"""An emulated multi-host cluster on one Linux machine, built from network namespaces.
+
+Layout (``hosts=2, rails=2``; names carry a per-run prefix such as ``plait-4242-1a2b``)::
+
+    namespace <prefix>-h0          namespace <prefix>-sw            namespace <prefix>-h1
+    rail0 10.77.0.1/24 ──veth── h0r0 ┐                 ┌ h1r0 ──veth── rail0 10.77.0.2/24
+                                     ├ br0 (rail 0 L2) ┤
+    rail1 10.77.1.1/24 ──veth── h0r1 ┐                 ┌ h1r1 ──veth── rail1 10.77.1.2/24
+                                     └ br1 (rail 1 L2) ┘
+    lo    10.78.0.1/32 (ECMP only)                                      lo 10.78.0.2/32
+
+Every host's rail interface has a ``tbf`` qdisc on egress (its rail's rate), so each
+direction of each host-to-switch link is shaped. With ``ecmp=True`` each host also gets a
+"host address" on its loopback and one multipath route per other host, one next hop per
+rail, hashed on the L4 five-tuple (``fib_multipath_hash_policy=1``): separate TCP flows
+between two host addresses spread over the rails like flows over a LAG or ECMP fabric.
+
+Nothing is created in the root namespace: each veth pair is created inside its host
+namespace with its peer end moved straight into the switch namespace, so deleting the
+namespaces deletes every link. Teardown (``close``) kills every process started through
+``run``/``launch`` (and anything else still inside the namespaces, by PID) and deletes
+every namespace whose name carries this run's prefix. It runs from ``__exit__``, on a
+failed setup, from SIGINT/SIGTERM handlers installed while the cluster exists, and
+``atexit``. Only SIGKILL can leave namespaces behind; ``Cluster.cleanup_stale()`` (``plait
+testbed --cleanup``) removes those of processes that no longer exist.
+
+All namespaces share one kernel, hostname, boot id and ``/dev/shm``: ranks tell emulated
+hosts apart only through ``PLAIT_HOST_ID``, which ``launch`` sets.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import FrameType, TracebackType
+from typing import IO, Any
+
+from plait.errors import PlaitError
+
+NAME_PREFIX = "plait-"
+"""Every namespace this module creates is named ``plait-<pid>-<hex>-<role>``."""
+
+RAIL_NET = "10.77"
+"""Rail ``r`` of host ``h`` is ``10.77.<r>.<h+1>/24``."""
+
+HOST_NET = "10.78.0"
+"""The host address of host ``h`` (with ``ecmp=True``) is ``10.78.0.<h+1>/32``."""
+
+MAX_HOSTS = 250
+MAX_RAILS = 16
+
+_RATE_RE = re.compile(r"^\d+(\.\d+)?([kmgt]?(bit|bps))$", re.IGNORECASE)
+
+# Ports handed out as MASTER_PORT lie below the namespaces' ephemeral range (set explicitly
+# to 32768-60999 in every host namespace), so no socket opened with port 0 can take one.
+_PORT_LOW, _PORT_HIGH = 20000, 32000
+
+
+class TestbedError(PlaitError):
+    """Building, using or tearing down the emulated cluster failed."""
+
+    __test__ = False  # not a pytest test class, despite the name
+
+
+def _cmd_text(argv: Sequence[str]) -> str:
+    return " ".join(argv)
+
+
+def _run(argv: Sequence[str], *, input_text: str | None = None) -> str:
+    """Run one command; on failure raise TestbedError naming the command and its stderr."""
+    try:
+        proc = subprocess.run(
+            list(argv), input=input_text, capture_output=True, text=True, check=True, timeout=30
+        )
+    except FileNotFoundError as exc:
+        raise TestbedError(f"`{_cmd_text(argv)}` failed: {exc}") from exc
+    except subprocess.CalledProcessError as exc:
+        err = (exc.stderr or "").strip() or (exc.stdout or "").strip() or "(no output)"
+        raise TestbedError(
+            f"`{_cmd_text(argv)}` failed with exit status {exc.returncode}: {err}"
+        ) from exc
+    except subprocess.TimeoutExpired as exc:
+        raise TestbedError(f"`{_cmd_text(argv)}` did not finish within 30 s") from exc
+    return proc.stdout
+
+
+def _netns_list() -> list[str]:
+    """Names of the network namespaces that ``ip netns`` knows."""
+    out = _run(["ip", "netns", "list"])
+    # Lines look like "name" or "name (id: 3)".
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _normalise_rates(rate: str | Sequence[str] | None, rails: int) -> list[str | None]:
+    if rate is None:
+        return [None] * rails
+    items = [r.strip() for r in rate.split(",")] if isinstance(rate, str) else list(rate)
+    if len(items) == 1:
+        items = items * rails
+    if len(items) != rails:
+        raise ValueError(f"rate: got {len(items)} rates for {rails} rails ({rate!r})")
+    out: list[str | None] = []
+    for item in items:
+        if item in ("", "none", None):
+            out.append(None)
+        elif isinstance(item, str) and _RATE_RE.match(item):
+            out.append(item.lower())
+        else:
+            raise ValueError(f"rate {item!r}: expected a tc rate such as 200mbit or 1gbit")
+    return out
+
+
+_RATE_SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def _rate_bits(rate: str | None) -> int | None:
+    """A tc rate (``200mbit``; tc's ``bps`` means bytes/s) in bits per second."""
+    if rate is None:
+        return None
+    m = _RATE_RE.match(rate)
+    if m is None:
+        raise ValueError(f"rate {rate!r}: expected a tc rate such as 200mbit or 1gbit")
+    unit = m.group(2).lower()  # e.g. "mbit" or "mbps"
+    per = 8 if unit.endswith("bps") else 1
+    return int(float(rate[: m.start(2)]) * _RATE_SCALE[unit[:-3]] * per)
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """What one rank of a ``launch`` did."""
+
+    rank: int
+    host: str
+    local_rank: int
+    pid: int
+    returncode: int | None
+    """Exit status; negative: killed by that signal; None: never reaped (should not happen)."""
+    stdout: str
+    stderr: str
+    killed: bool
+    """True when the launcher killed this rank (another rank failed, or the timeout passed)."""
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """The outcome of ``Cluster.launch``: one entry per rank, in rank order."""
+
+    ranks: tuple[RankResult, ...]
+    timed_out: bool
+    duration_s: float
+    first_failure: int | None
+    """The rank that failed first (non-zero exit), or None."""
+
+    @property
+    def returncodes(self) -> list[int | None]:
+        return [r.returncode for r in self.ranks]
+
+    @property
+    def ok(self) -> bool:
+        return not self.timed_out and all(r.returncode == 0 for r in self.ranks)
+
+    @property
+    def stdouts(self) -> list[str]:
+        return [r.stdout for r in self.ranks]
+
+    def summary(self, tail_chars: int = 4000) -> str:
+        """A readable report: why the launch failed and each failing rank's output tail."""
+        lines = []
+        if self.timed_out:
+            lines.append(f"launch timed out after {self.duration_s:.1f} s; every rank was killed")
+        if self.first_failure is not None:
+            r = self.ranks[self.first_failure]
+            lines.append(f"rank {r.rank} (host {r.host}) failed first, exit status {r.returncode}")
+        for r in self.ranks:
+            state = "killed by the launcher" if r.killed else f"exit status {r.returncode}"
+            lines.append(f"--- rank {r.rank} (host {r.host}, local rank {r.local_rank}): {state}")
+            if r.returncode != 0 or self.timed_out:
+                for name, text in (("stdout", r.stdout), ("stderr", r.stderr)):
+                    if text.strip():
+                        lines.append(f"[{name}]\n{text[-tail_chars:].rstrip()}")
+        return "\n".join(lines)
+
+    def check(self) -> LaunchResult:
+        """Raise TestbedError with ``summary()`` unless every rank exited 0; else return self."""
+        if not self.ok:
+            raise TestbedError(self.summary())
+        return self
+
+
+_avail_cache: tuple[bool, str] | None = None
+
+
+class Cluster:
+    """H emulated hosts with R rails each; a context manager.
+
+    >>> with Cluster(hosts=2, rails=2, rate="200mbit") as c:          # doctest: +SKIP
+    ...     res = c.launch(["python", "-c", "import os; print(os.environ['RANK'])"], 2)
+    ...     res.check()
+    """
+
+    def __init__(
+        self,
+        hosts: int = 2,
+        rails: int = 2,
+        rate: str | Sequence[str] | None = "200mbit",
+        *,
+        ecmp: bool = False,
+        burst: str = "64kb",
+        latency: str = "50ms",
+    ) -> None:
+        if not 1 <= hosts <= MAX_HOSTS:
+            raise ValueError(f"hosts must be in 1..{MAX_HOSTS}, got {hosts}")
+        if not 1 <= rails <= MAX_RAILS:
+            raise ValueError(f"rails must be in 1..{MAX_RAILS}, got {rails}")
+        self.num_hosts = hosts
+        self.num_rails = rails
+        self.rates: list[str | None] = _normalise_rates(rate, rails)
+        self.ecmp = ecmp
+        self.burst = burst
+        self.latency = latency
+        self.prefix = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(2)}"
+        self.hosts: tuple[str, ...] = tuple(f"h{i}" for i in range(hosts))
+        self.rail_names: tuple[str, ...] = tuple(f"rail{r}" for r in range(rails))
+        self.switch_ns = f"{self.prefix}-sw"
+        self._procs: list[subprocess.Popen[Any]] = []
+        self._started = False
+        self._closed = False
+        self._in_close = False
+        self._pending_signal: int | None = None
+        self._old_handlers: dict[int, Any] = {}
+        self._next_port = _PORT_LOW + secrets.randbelow(_PORT_HIGH - _PORT_LOW - 1000)
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ availability
+
+    @staticmethod
+    def available() -> tuple[bool, str]:
+        """Whether this machine can build a cluster, and if not, why not (cached)."""
+        global _avail_cache
+        if _avail_cache is None:
+            _avail_cache = _probe()
+        return _avail_cache
+
+    @staticmethod
+    def cleanup_stale() -> list[str]:
+        """Delete ``plait-<pid>-...`` namespaces whose creating process no longer exists."""
+        removed = []
+        for name in _netns_list():
+            m = re.match(rf"^{re.escape(NAME_PREFIX)}(\d+)-", name)
+            if m and not _pid_alive(int(m.group(1))):
+                _kill_netns_pids(name)
+                subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+                removed.append(name)
+        return removed
+
+    # ------------------------------------------------------------------ naming
+
+    def _index(self, host: str | int) -> int:
+        if isinstance(host, int) and not isinstance(host, bool):
+            if 0 <= host < self.num_hosts:
+                return host
+        elif isinstance(host, str) and host in self.hosts:
+            return self.hosts.index(host)
+        raise ValueError(f"unknown host {host!r}: this cluster has hosts {', '.join(self.hosts)}")
+
+    def netns(self, host: str | int) -> str:
+        """The network namespace name of ``host`` (a name such as ``h0``, or an index)."""
+        return f"{self.prefix}-{self.hosts[self._index(host)]}"
+
+    @property
+    def namespaces(self) -> list[str]:
+        """Every namespace of this cluster: the hosts', then the switch's."""
+        return [self.netns(h) for h in range(self.num_hosts)] + [self.switch_ns]
+
+    def addr(self, host: str | int, rail: int = 0) -> str:
+        """IPv4 address of ``host``'s interface on ``rail`` (no prefix length)."""
+        if not 0 <= rail < self.num_rails:
+            raise ValueError(f"rail must be in 0..{self.num_rails - 1}, got {rail}")
+        return f"{RAIL_NET}.{rail}.{self._index(host) + 1}"
+
+    def host_addr(self, host: str | int) -> str:
+        """The host address of ``host`` (only with ``ecmp=True``): reached over every rail."""
+        if not self.ecmp:
+            raise TestbedError("host addresses exist only on a cluster built with ecmp=True")
+        return f"{HOST_NET}.{self._index(host) + 1}"
+
+    @property
+    def ifnames(self) -> str:
+        """The rail interface list, as PLAIT_SOCKET_IFNAME/GLOO_SOCKET_IFNAME take it."""
+        return ",".join(self.rail_names)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def start(self) -> Cluster:
+        """Build every namespace, link, address, qdisc and route; tear down on any failure."""
+        if self._started:
+            raise TestbedError(f"cluster {self.prefix} was already started")
+        ok, reason = Cluster.available()
+        if not ok:
+            raise TestbedError(f"cannot build an emulated cluster here: {reason}")
+        self._started = True
+        atexit.register(self.close)
+        self._install_signal_handlers()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _build(self) -> None:
+        sw = self.switch_ns
+        _run(["ip", "netns", "add", sw])
+        _run(["ip", "-n", sw, "link", "set", "lo", "up"])
+        for r in range(self.num_rails):
+            _run(["ip", "-n", sw, "link", "add", f"br{r}", "type", "bridge"])
+            _run(["ip", "-n", sw, "link", "set", f"br{r}", "up"])
+        for h in range(self.num_hosts):
+            ns = self.netns(h)
+            _run(["ip", "netns", "add", ns])
+            # No IPv6 (its link-local chatter would share the shaped links); the
+            # ephemeral port range is pinned so MASTER_PORT (below it) stays free; no
+            # reverse-path filter to second-guess multipath replies.
+            _run([
+                "ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                "net.ipv6.conf.all.disable_ipv6=1",
+                "net.ipv6.conf.default.disable_ipv6=1",
+                "net.ipv4.ip_local_port_range=32768 60999",
+                "net.ipv4.conf.all.rp_filter=0",
+                "net.ipv4.conf.default.rp_filter=0",
+                "net.ipv4.fib_multipath_hash_policy=1",
+            ])
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            for r, rail in enumerate(self.rail_names):
+                peer = f"h{h}r{r}"
+                # Created inside the host namespace, peer end moved straight into the
+                # switch: nothing ever appears in the root namespace.
+                _run(["ip", "-n", ns, "link", "add", rail, "type", "veth",
+                      "peer", "name", peer, "netns", sw])
+                _run(["ip", "-n", sw, "link", "set", peer, "master", f"br{r}"])
+                _run(["ip", "-n", sw, "link", "set", peer, "up"])
+                _run(["ip", "-n", ns, "addr", "add", f"{self.addr(h, r)}/24", "dev", rail])
+                _run(["ip", "-n", ns, "link", "set", rail, "up"])
+                rate = self.rates[r]
+                if rate is not None:
+                    _run(["tc", "-n", ns, "qdisc", "add", "dev", rail, "root", "tbf",
+                          "rate", rate, "burst", self.burst, "latency", self.latency])
+            if self.ecmp:
+                _run(["ip", "-n", ns, "addr", "add", f"{self.host_addr(h)}/32", "dev", "lo"])
+        if self.ecmp:
+            for h in range(self.num_hosts):
+                ns = self.netns(h)
+                for other in range(self.num_hosts):
+                    if other == h:
+                        continue
+                    argv = ["ip", "-n", ns, "route", "add", f"{self.host_addr(other)}/32",
+                            "src", self.host_addr(h)]
+                    for r, rail in enumerate(self.rail_names):
+                        argv += ["nexthop", "via", self.addr(other, r), "dev", rail]
+                    _run(argv)
+
+    def close(self) -> None:
+        """Kill every process in the cluster and delete every namespace of this run.
+
+        Idempotent; safe from signal handlers (never blocks on a lock or a Popen.wait).
+        """
+        if self._closed or self._in_close or not self._started:
+            return
+        self._in_close = True
+        errors: list[str] = []
+        try:
+            self._kill_procs(self._procs, grace_s=1.0)
+            names = set(self.namespaces)
+            try:
+                names |= {n for n in _netns_list() if n.startswith(self.prefix + "-")}
+            except TestbedError:
+                pass
+            # Hosts first, switch last; any process that escaped its group is killed by PID.
+            for name in sorted(names, key=lambda n: n == self.switch_ns):
+                _kill_netns_pids(name)
+                res = subprocess.run(["ip", "netns", "del", name], capture_output=True,
+                                     text=True, check=False)
+                if res.returncode != 0 and "No such file" not in res.stderr:
+                    errors.append(f"`ip netns del {name}`: {res.stderr.strip()}")
+            self._closed = True
+        finally:
+            self._in_close = False
+            self._restore_signal_handlers()
+            atexit.unregister(self.close)
+        pending, self._pending_signal = self._pending_signal, None
+        if errors:
+            raise TestbedError("teardown failed: " + "; ".join(errors))
+        if pending is not None:
+            signal.raise_signal(pending)
+
+    # ------------------------------------------------------------------ signals
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread may; __exit__ and atexit still clean up
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _restore_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, old in self._old_handlers.items():
+            if signal.getsignal(sig) == self._on_signal:
+                signal.signal(sig, old if old is not None else signal.SIG_DFL)
+        self._old_handlers.clear()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._in_close:
+            self._pending_signal = signum  # re-raised once teardown has finished
+            return
+        old = self._old_handlers.get(signum, signal.SIG_DFL)
+        try:
+            self.close()  # restores the previous handlers
+        finally:
+            if old is None:
+                old = signal.SIG_DFL  # a handler installed from C: treat as the default
+            if callable(old):
+                old(signum, frame)  # e.g. Python's SIGINT handler: KeyboardInterrupt
+            elif old == signal.SIG_DFL:
+                signal.signal(signum, signal.SIG_DFL)
+                signal.raise_signal(signum)  # die of it, as without the cluster
+
+    # ------------------------------------------------------------------ processes
+
+    def _check_running(self) -> None:
+        if not self._started or self._closed:
+            raise TestbedError(f"cluster {self.prefix} is not running (use it as `with Cluster()`)")
+
+    def run(
+        self,
+        host: str | int,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        **popen_kwargs: Any,
+    ) -> subprocess.Popen[Any]:
+        """Start ``argv`` inside ``host``'s namespace (``ip netns exec``); returns its Popen.
+
+        ``env`` is added to this process's environment. The process always leads a new
+        session (its PID is its process group, so killing it by PID also reaches its
+        children), and ``close`` kills it if it is still running.
+        """
+        self._check_running()
+        if isinstance(argv, str):
+            raise TypeError("argv must be a list of arguments, not a string")
+        full_env = dict(os.environ)
+        if env:
+            full_env.update(env)
+        popen_kwargs["start_new_session"] = True
+        proc: subprocess.Popen[Any] = subprocess.Popen(
+            ["ip", "netns", "exec", self.netns(host), *argv], env=full_env, **popen_kwargs
+        )
+        with self._lock:
+            self._procs.append(proc)
+        return proc
+
+    def free_port(self) -> int:
+        """A TCP port no socket in the cluster uses: below the ephemeral range, never reused."""
+        with self._lock:
+            port = self._next_port
+            self._next_port += 1
+            if self._next_port >= _PORT_HIGH:
+                self._next_port = _PORT_LOW
+        return port
+
+    def env_for(self, rank: int, ranks_per_host: int, master_port: int) -> dict[str, str]:
+        """The environment ``launch`` gives ``rank`` (torchrun's variables plus plait's)."""
+        host, local = divmod(rank, ranks_per_host)
+        return {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(self.num_hosts * ranks_per_host),
+            "LOCAL_RANK": str(local),
+            "LOCAL_WORLD_SIZE": str(ranks_per_host),
+            "GROUP_RANK": str(host),
+            "NODE_RANK": str(host),
+            "MASTER_ADDR": self.addr(0, 0),
+            "MASTER_PORT": str(master_port),
+            "PLAIT_HOST_ID": self.hosts[host],
+            "PLAIT_SOCKET_IFNAME": self.ifnames,
+            "GLOO_SOCKET_IFNAME": self.ifnames,
+        }
+
+    def launch(
+        self,
+        argv: Sequence[str],
+        ranks_per_host: int = 1,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = 120.0,
+        *,
+        capture: bool = True,
+        per_rank_env: Mapping[int, Mapping[str, str]] | None = None,
+    ) -> LaunchResult:
+        """Run ``argv`` as ``ranks_per_host`` ranks on every host and wait for all of them.
+
+        Rank ``r`` runs on host ``r // ranks_per_host``. Each rank's environment is this
+        process's, then ``env_for(...)`` (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+        MASTER_ADDR, MASTER_PORT, PLAIT_HOST_ID, PLAIT_SOCKET_IFNAME, GLOO_SOCKET_IFNAME),
+        then ``env``, then ``per_rank_env[rank]``. If a rank exits non-zero, or ``timeout``
+        seconds pass, every other rank is killed (by process group: its PID). Output is
+        captured per rank unless ``capture=False`` (then it goes to this process's
+        stdout/stderr). Returns a LaunchResult; call ``.check()`` to raise on failure.
+        """
+        self._check_running()
+        if isinstance(argv, str):
+            raise TypeError("argv must be a list of arguments, not a string")
+        if ranks_per_host < 1:
+            raise ValueError(f"ranks_per_host must be >= 1, got {ranks_per_host}")
+        port = self.free_port()
+        world = self.num_hosts * ranks_per_host
+        procs: list[subprocess.Popen[Any]] = []
+        files: list[tuple[IO[bytes], IO[bytes]] | None] = []
+        killed: set[int] = set()
+        timed_out = False
+        first_failure: int | None = None
+        t0 = time.monotonic()
+        try:
+            for rank in range(world):
+                renv = self.env_for(rank, ranks_per_host, port)
+                if env:
+                    renv.update(env)
+                if per_rank_env and rank in per_rank_env:
+                    renv.update(per_rank_env[rank])
+                if capture:
+                    out = tempfile.TemporaryFile()
+                    err = tempfile.TemporaryFile()
+                    files.append((out, err))
+                    proc = self.run(rank // ranks_per_host, argv, renv, stdout=out, stderr=err,
+                                    stdin=subprocess.DEVNULL)
+                else:
+                    files.append(None)
+                    proc = self.run(rank // ranks_per_host, argv, renv, stdin=subprocess.DEVNULL)
+                procs.append(proc)
+            deadline = None if timeout is None else t0 + timeout
+            while True:
+                codes = [p.poll() for p in procs]
+                if first_failure is None:
+                    for rank, code in enumerate(codes):
+                        if code not in (None, 0):
+                            first_failure = rank
+                            break
+                if all(c is not None for c in codes):
+                    break
+                if first_failure is not None:
+                    killed = {i for i, c in enumerate(codes) if c is None}
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    timed_out = True
+                    killed = {i for i, c in enumerate(codes) if c is None}
+                    break
+                time.sleep(0.01)
+        finally:
+            self._kill_procs(procs, grace_s=1.0)
+            with self._lock:
+                self._procs = [p for p in self._procs if p not in procs]
+        results = []
+        for rank, proc in enumerate(procs):
+            stdout = stderr = ""
+            pair = files[rank]
+            if pair is not None:
+                texts = []
+                for f in pair:
+                    f.seek(0)
+                    texts.append(f.read().decode(errors="replace"))
+                    f.close()
+                stdout, stderr = texts
+            results.append(RankResult(
+                rank=rank, host=self.hosts[rank // ranks_per_host],
+                local_rank=rank % ranks_per_host, pid=proc.pid, returncode=proc.returncode,
+                stdout=stdout, stderr=stderr,
+                # Killed only if our signal ended it, not if it exited by itself meanwhile.
+                killed=rank in killed and (proc.returncode or 0) < 0,
+            ))
+        return LaunchResult(tuple(results), timed_out, time.monotonic() - t0, first_failure)
+
+    @staticmethod
+    def _kill_procs(procs: Sequence[subprocess.Popen[Any]], grace_s: float) -> None:
+        """SIGTERM each live process group, then SIGKILL what remains after ``grace_s``.
+
+        Uses only ``poll`` (never ``wait``), so it cannot deadlock inside a signal handler
+        that interrupted a ``wait`` on the same Popen.
+        """
+        live = [p for p in procs if p.poll() is None]
+        for p in live:
+            _signal_group(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while live and time.monotonic() < deadline:
+            time.sleep(0.01)
+            live = [p for p in live if p.poll() is None]
+        for p in live:
+            _signal_group(p.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while live and time.monotonic() < deadline:
+            time.sleep(0.01)
+            live = [p for p in live if p.poll() is None]
+        # Reap the leaders' groups' remains too: a group outlives its leader.
+        for p in procs:
+            _signal_group(p.pid, signal.SIGKILL)
+
+    def spec(self) -> dict[str, Any]:
+        """The cluster as plain data (JSON-ready): hosts, namespaces, rails, rates in bit/s.
+
+        Meant for tools that describe a topology (e.g. to write a PLAIT_TOPO_FILE); the
+        rates are the tbf rates, i.e. each host's egress bandwidth on that rail.
+        """
+        return {
+            "prefix": self.prefix,
+            "switch_netns": self.switch_ns,
+            "ecmp": self.ecmp,
+            "hosts": [
+                {
+                    "name": name,
+                    "netns": self.netns(h),
+                    "host_addr": self.host_addr(h) if self.ecmp else None,
+                    "rails": [
+                        {
+                            "ifname": rail,
+                            "addr": self.addr(h, r),
+                            "prefixlen": 24,
+                            "rate_bps": _rate_bits(self.rates[r]),
+                        }
+                        for r, rail in enumerate(self.rail_names)
+                    ],
+                }
+                for h, name in enumerate(self.hosts)
+            ],
+        }
+
+    def describe(self) -> str:
+        """A human-readable summary of the cluster: hosts, namespaces, addresses, rates."""
+        lines = [f"emulated cluster {self.prefix}: {self.num_hosts} hosts x "
+                 f"{self.num_rails} rails (switch namespace {self.switch_ns})"]
+        for h, name in enumerate(self.hosts):
+            rails = ", ".join(
+                f"{rail} {self.addr(h, r)}" + (f" @{self.rates[r]}" if self.rates[r] else "")
+                for r, rail in enumerate(self.rail_names)
+            )
+            extra = f", host address {self.host_addr(h)} (ECMP)" if self.ecmp else ""
+            lines.append(f"  {name}: netns {self.netns(h)}: {rails}{extra}")
+        return "\n".join(lines)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _kill_netns_pids(name: str) -> None:
+    """SIGKILL every process still inside namespace ``name`` (by PID)."""
+    res = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True,
+                         check=False)
+    me = os.getpid()
+    for tok in res.stdout.split():
+        if tok.isdigit() and int(tok) != me:
+            try:
+                os.kill(int(tok), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _probe() -> tuple[bool, str]:
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return False, "not running as root (network namespaces need CAP_SYS_ADMIN/CAP_NET_ADMIN)"
+    for tool, pkg in (("ip", "iproute2"), ("tc", "iproute2"), ("sysctl", "procps")):
+        if shutil.which(tool) is None:
+            return False, f"no `{tool}` binary (apt-get install {pkg})"
+    name = f"{NAME_PREFIX}{os.getpid()}-probe{secrets.token_hex(2)}"
+    try:
+        _run(["ip", "netns", "add", name])
+    except TestbedError as exc:
+        return False, f"cannot create a network namespace: {exc}"
+    try:
+        _run(["ip", "-n", name, "link", "set", "lo", "up"])
+        _run(["ip", "-n", name, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
+        _run(["ip", "-n", name, "link", "add", "b0", "type", "bridge"])
+        _run(["tc", "-n", name, "qdisc", "add", "dev", "lo", "root", "tbf",
+              "rate", "200mbit", "burst", "64kb", "latency", "50ms"])
+        _run(["ip", "netns", "exec", name, "sysctl", "-q", "-w",
+              "net.ipv4.fib_multipath_hash_policy=1"])
+    except TestbedError as exc:
+        return False, f"network namespace lacks a needed feature (veth, bridge, tbf, sysctl): {exc}"
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+    return True, "root; ip, tc, veth, bridge, tbf and sysctl work in a network namespace"

@@ -1,0 +1,1 @@
+"""Transports: shared memory between ranks of one host, TCP between hosts."""

@@ -1,0 +1,1 @@
+"""Algorithm selection (and, with the topology work, the cost model)."""
