@@ -40,7 +40,7 @@ from .algorithms import (
 from .algorithms.schedule import Schedule
 from .buffers import Buf, as_buf, expect_count, same_dtype
 from .config import Config, to_seconds
-from .errors import ClosedError, CommTimeoutError, PeerFailedError, PlaitError
+from .errors import ClosedError, CommTimeoutError, PlaitError
 from .executor import OpCtx, Waiter, run
 from .reduce import ReduceOp, Reducer, divide
 from .rendezvous import bind_address, host_identity, launcher_rank_size, store_from_env
@@ -54,7 +54,7 @@ from .transport.channels import (
     TcpSend,
     peer_lost_error,
 )
-from .transport.futex import Bell, cpu_count, private_bell
+from .transport.futex import cpu_count, private_bell
 from .transport.tcp import Outbound, TcpHub, recv_exact_into
 from .tuning import selector
 
@@ -95,7 +95,7 @@ class Work:
         for cb in callbacks or ():
             try:
                 cb(self)
-            except Exception:  # noqa: BLE001 - a user callback must not break plait
+            except Exception:
                 log.exception("plait: a Work callback raised")
 
     def wait(self, timeout: float | datetime.timedelta | None = None) -> bool:
@@ -303,10 +303,11 @@ class Communicator:
                 try:
                     while not self._seg.ctl[:, shm.W_ATTACHED].all():
                         if time.monotonic() > deadline:
+                            att = self._seg.ctl[:, shm.W_ATTACHED]
+                            missing = [r for i, r in enumerate(local) if not att[i]]
                             raise CommTimeoutError(
-                                f"rank {self.rank}, init: local ranks "
-                                f"{[r for r in local if not self._seg.ctl[self._local_index[r], shm.W_ATTACHED]]}"
-                                " did not attach to shared memory in time")
+                                f"rank {self.rank}, init: local ranks {missing} did not "
+                                "attach to shared memory in time")
                         time.sleep(0.0002)
                 finally:
                     shm.unlink(name)
@@ -459,7 +460,7 @@ class Communicator:
                 self._busy = True
             try:
                 self._execute(name, seq, fn)
-            except BaseException as exc:  # noqa: BLE001 - delivered through the Work
+            except BaseException as exc:
                 work._fail(exc)
             else:
                 work._finish()
@@ -912,7 +913,7 @@ class Communicator:
         try:
             if not self._closed:
                 self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
+        except Exception:
             pass
 
 
@@ -967,7 +968,7 @@ class _SendQueue:
                 self.busy = True
             try:
                 fn()
-            except BaseException as exc:  # noqa: BLE001 - delivered through the Work
+            except BaseException as exc:
                 work._fail(exc)
             else:
                 work._finish()

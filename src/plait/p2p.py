@@ -20,9 +20,9 @@ import numpy as np
 
 from .errors import MismatchError, PeerFailedError
 from .transport import wire
+from .transport.channels import ShmRing
 from .transport.futex import Bell
 from .transport.shm import KIND_P2P, Segment
-from .transport.channels import ShmRing
 
 if TYPE_CHECKING:
     from .comm import Work
@@ -33,7 +33,7 @@ ReadInto = Callable[[np.ndarray], None]
 class Recv:
     """A posted receive."""
 
-    __slots__ = ("dst", "n", "src", "tag", "work", "where")
+    __slots__ = ("dst", "n", "src", "tag", "where", "work")
 
     def __init__(self, dst: np.ndarray, src: int | None, tag: int, work: Work, where: str) -> None:
         self.dst = dst
@@ -189,10 +189,14 @@ class ShmSender:
             self.seq += 1
             total = len(data)
             nchunks = max(1, -(-total // r.chunk))
+            ctl = r.ctl
+
+            def has_space() -> bool:
+                return int(ctl[0]) - int(ctl[8]) < r.nslots
+
             for i in range(nchunks):
-                ctl = r.ctl
-                if int(ctl[0]) - int(ctl[8]) >= r.nslots:
-                    wait_space(lambda: int(ctl[0]) - int(ctl[8]) < r.nslots)
+                if not has_space():
+                    wait_space(has_space)
                 head = int(ctl[0])
                 s = head % r.nslots
                 off = i * r.chunk
@@ -259,7 +263,7 @@ class Drainer:
                         self.bell.sleep(seen, 0.05)
                 finally:
                     self.bell.awake()
-        except BaseException as exc:  # noqa: BLE001 - reported to every pending receive
+        except BaseException as exc:
             self.error = exc
             self.engine.fail_all(PeerFailedError(f"rank {self.engine.rank}: point-to-point "
                                                  f"receiver failed: {exc!r}"))

@@ -17,7 +17,7 @@ import numpy as np
 
 from .collectives import Case
 
-Step = Callable[[], None]
+Step = Callable[[], object]  # the return value (a Work, a status) is ignored
 
 
 class Backend:
@@ -181,9 +181,8 @@ class TorchBackend(Backend):
 
     def __init__(self, rank: int, size: int, group: Any, label: str) -> None:
         super().__init__(rank, size)
-        import torch.distributed as dist
-
         import torch
+        import torch.distributed as dist
 
         self.torch = torch
         self.dist = dist

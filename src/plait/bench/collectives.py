@@ -147,7 +147,7 @@ class Collective:
     rooted: bool = False
     reduces: bool = False
     in_place: bool = True
-    _expected: dict[tuple, np.ndarray] = field(default_factory=dict, repr=False)
+    _expected: dict[tuple[object, ...], np.ndarray] = field(default_factory=dict, repr=False)
 
     def bus_factor(self, n: int) -> float:
         """nccl-tests ``PERFORMANCE.md``: busbw = algbw x this factor."""
@@ -167,7 +167,7 @@ class Collective:
         raise NotImplementedError
 
     # helpers shared by the subclasses
-    def expected(self, key: tuple, make: Callable[[], np.ndarray]) -> np.ndarray:
+    def expected(self, key: tuple[object, ...], make: Callable[[], np.ndarray]) -> np.ndarray:
         """Expected results are computed once per size and shared by backends and modes."""
         if key not in self._expected:
             self._expected.clear()

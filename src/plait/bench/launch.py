@@ -74,7 +74,8 @@ def spawn_local(opts: BenchOptions) -> int:
 def spawn_mpirun(opts: BenchOptions) -> int:
     """Start the ranks under Open MPI's mpirun, so MPI can be measured next to plait."""
     env = _child_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", str(opts.nranks),
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+           "-n", str(opts.nranks),
            "-x", "PYTHONPATH", "-x", "MASTER_ADDR", "-x", "MASTER_PORT",
            sys.executable, "-m", WORKER, opts.to_json()]
     return _wait_all([subprocess.Popen(cmd, env=env)])

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import report
-from .backends import DECISIONS, Backend
+from .backends import DECISIONS, Backend, Step
 from .collectives import MODES, collective, storage_dtype
 from .options import BenchOptions
 from .setup import Control, make_backends
@@ -60,7 +60,7 @@ class Row:
         return None if a is None else a * self.bus_factor
 
 
-def timed(step: Callable[[], None], iters: int) -> float:
+def timed(step: Step, iters: int) -> float:
     """Seconds per call over ``iters`` back-to-back calls."""
     t0 = time.perf_counter()
     for _ in range(iters):
@@ -101,7 +101,7 @@ def run_rows(opts: BenchOptions, rank: int, size: int, backends: list[Backend], 
             cases = coll.cases(lay, rank, size, root, opts.dtype, opts.redop)
             modes = [m for m in MODES if m in cases]
             results = {b.label: {m: Measurement() for m in modes} for b in backends}
-            steps: dict[tuple[str, str], Callable[[], None]] = {}
+            steps: dict[tuple[str, str], Step] = {}
             for b in backends:
                 for m in modes:
                     why = b.why_not(op, m, opts.dtype, opts.redop)

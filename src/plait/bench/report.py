@@ -121,11 +121,13 @@ class TablePrinter:
         self.current_op: str | None = None
 
     def _print(self, text: str) -> None:
-        if self.progress is not None:
-            self.progress.clear()
+        # the bar shares the terminal only when stdout is one too
+        bar = self.progress if self.progress is not None and _isatty(self.out) else None
+        if bar is not None:
+            bar.clear()
         print(text.rstrip(), file=self.out, flush=True)
-        if self.progress is not None:
-            self.progress.redraw()
+        if bar is not None:
+            bar.redraw()
 
     def header(self, launcher: str, skipped: dict[str, str]) -> None:
         o = self.opts
@@ -256,7 +258,6 @@ def _cpu_model() -> str:
 def environment(opts: BenchOptions, size: int, launcher: str, backends: list[Backend],
                 skipped: dict[str, str], copy_samples: list[float]) -> dict[str, Any]:
     import numpy
-
     import torch
 
     versions: dict[str, str] = {"python": platform.python_version(),
@@ -380,8 +381,12 @@ def _tick(x: float) -> str:
     return human_size(n).replace(" ", "") if n >= 1 and abs(n - x) < 1e-6 else ""
 
 
-def stderr_is_terminal() -> bool:
+def _isatty(stream: TextIO) -> bool:
     try:
-        return sys.stderr.isatty()
+        return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+def stderr_is_terminal() -> bool:
+    return _isatty(sys.stderr)

@@ -111,7 +111,7 @@ def _worker(args: argparse.Namespace) -> int:
         total = np.sum(everyone, axis=0)
         for op in OPS:
             samples = []
-            for it in range(args.iters + 2):
+            for _ in range(args.iters + 2):
                 call, check = _case(comm, op, c, r, n, everyone, total)
                 comm.barrier()
                 t0 = time.perf_counter()

@@ -22,7 +22,7 @@ from ..errors import MismatchError, PeerFailedError
 from ..reduce import Reducer
 from . import wire
 from .futex import Bell
-from .shm import KIND_COLL, RING_CTL_WORDS, SLOT_HDR, Segment
+from .shm import RING_CTL_WORDS, SLOT_HDR, Segment
 from .tcp import Outbound, recv_exact_into
 
 
@@ -152,7 +152,7 @@ class TcpSend(Req):
     """Sends one frame per ``progress()``: a blocking send, which always completes because
     the peer's reader thread drains its socket whatever its application thread does."""
 
-    __slots__ = ("off", "out", "seq", "src", "idx", "first")
+    __slots__ = ("first", "idx", "off", "out", "seq", "src")
 
     def __init__(self, peer: int, out: Outbound, src: np.ndarray, seq: int, idx: int) -> None:
         super().__init__(peer)

@@ -246,7 +246,7 @@ class TcpHub:
                 sock.settimeout(None)
                 tune(sock)
                 return sock
-            except (ConnectionRefusedError, socket.timeout) as exc:
+            except (TimeoutError, ConnectionRefusedError) as exc:
                 sock.close()
                 if time.monotonic() + delay > deadline:
                     raise PeerFailedError(f"rank {self.rank}: cannot connect to rank {peer} at "
