@@ -2,8 +2,9 @@
 
 The mirror of the tree broadcast: relative rank v receives and reduces the partial
 results of its children (smallest subtree first: it is ready first), then sends its
-partial result to its parent. The root reduces into OUT (its own buffer, in place); other ranks accumulate in TMP so that
-their buffers are left unchanged. Cost: ceil(log2 n) (alpha + S beta + S gamma).
+partial result to its parent. The root reduces into OUT (its own buffer, in place);
+other ranks accumulate in TMP so that their buffers are left unchanged.
+Cost: ceil(log2 n) (alpha + S beta + S gamma).
 """
 
 from __future__ import annotations
