@@ -203,8 +203,8 @@ class ShmSender:
                 m = min(r.chunk, total - off)
                 if m > 0:
                     np.copyto(r.payload[s, :m], data[off:off + m])
-                h = r.hdr[s]
-                h[0], h[1], h[2], h[3], h[4] = tag, seq, off, m, total
+                h = r.hdr
+                h[s, 0], h[s, 1], h[s, 2], h[s, 3], h[s, 4] = tag, seq, off, m, total
                 ctl[0] = head + 1
                 self.peer_bell.ring()
 
@@ -233,9 +233,8 @@ class Drainer:
             while int(ctl[8]) < int(ctl[0]):
                 tail = int(ctl[8])
                 s = tail % r.nslots
-                h = r.hdr[s]
-                tag, seq, off, m, total = (int(h[0]), int(h[1]), int(h[2]), int(h[3]),
-                                           int(h[4]))
+                h = r.hdr
+                tag, seq, off, m, total = h[s, 0], h[s, 1], h[s, 2], h[s, 3], h[s, 4]
                 f = wire.Frame(wire.KIND_P2P, tag, seq, off, m, total)
                 payload = r.payload[s, :m]
 

@@ -30,6 +30,9 @@ class ReduceOp(enum.Enum):
         """Accept a ReduceOp, a name in any case, or a ``torch.distributed.ReduceOp``."""
         if isinstance(op, ReduceOp):
             return op
+        fast = _BY_NAME.get(op) if isinstance(op, str) else None
+        if fast is not None:
+            return fast
         if isinstance(op, str):
             try:
                 return cls[op.upper()]
@@ -41,6 +44,10 @@ class ReduceOp(enum.Enum):
                 return cls[name]
         raise ValueError(f"rank {rank}, {opname}: unknown reduce op {op!r} "
                          f"(expected one of {', '.join(m.name for m in cls)})")
+
+
+_BY_NAME: dict[str, ReduceOp] = {
+    **{m.value: m for m in ReduceOp}, **{m.name: m for m in ReduceOp}}
 
 
 def _torch_op_name(op: Any) -> str | None:

@@ -29,6 +29,7 @@ class Board:
     def publish(self, s: int) -> None: ...
     def wait_for(self, s: int, ranks: list[int] | None, ctx: Any) -> None: ...
     def finish(self, s: int) -> None: ...
+    def typed(self, s: int, dtype: np.dtype, start: int, count: int) -> list[np.ndarray]: ...
 
 
 def _typed(slots: np.ndarray, rank: int, count: int, storage: np.dtype, start: int = 0
@@ -46,12 +47,14 @@ def _reduce_rows(slots: np.ndarray, n: int, out: np.ndarray, start: int, reducer
 
 
 def allreduce(b: Board, ctx: Any, buf: np.ndarray, reducer: Reducer) -> None:
-    s, slots = b.begin(ctx)
-    nb = buf.nbytes
-    np.copyto(slots[b.me, :nb], buf.view(np.uint8))
+    s, _ = b.begin(ctx)
+    rows = b.typed(s, buf.dtype, 0, len(buf))
+    np.copyto(rows[b.me], buf)
     b.publish(s)
     b.wait_for(s, None, ctx)
-    _reduce_rows(slots, b.n, buf, 0, reducer)
+    np.copyto(buf, rows[0])
+    for k in range(1, b.n):
+        reducer(buf, rows[k])
     b.finish(s)
 
 

@@ -116,9 +116,12 @@ def run_rows(opts: BenchOptions, rank: int, size: int, backends: list[Backend], 
                         b.barrier()
                         step()
                         results[b.label][m].wrong += case.check()
-                    case.steady()
-                    for _ in range(opts.warmup):
-                        step()
+            # backends share the buffers: re-fill them only once every check is done
+            for case in cases.values():
+                case.steady()
+            for step in steps.values():
+                for _ in range(opts.warmup):
+                    step()
             local: list[float] = []
             keys = list(steps)
             for rep in range(opts.reps):

@@ -47,9 +47,10 @@ class ShmRing:
         lay = seg.layout
         pidx = lay.pair_index(src, dst)
         assert seg.ring_ctl is not None and seg.rings is not None
-        self.ctl = seg.ring_ctl[kind, pidx]  # [0] head (chunks written), [8] tail (read)
+        # [0] head (chunks written), [8] tail (chunks read); memoryviews for fast int access
+        self.ctl = memoryview(seg.ring_ctl[kind, pidx])
         data = seg.rings[kind, pidx]
-        self.hdr = data[:, :SLOT_HDR].view(np.int64)  # per slot: seq, idx, nbytes, chunk
+        self.hdr = memoryview(data[:, :SLOT_HDR].view(np.int64))  # per slot: seq, idx, n, chunk
         self.payload = data[:, SLOT_HDR:]
         self.nslots = lay.ring_chunks
         self.chunk = lay.chunk_size
@@ -81,8 +82,8 @@ class ShmSend(Req):
             m = min(c, self.n - off)
             if m > 0:
                 np.copyto(r.payload[s, :m], self.src[off:off + m])
-            h = r.hdr[s]
-            h[0], h[1], h[2], h[3] = self.seq, self.idx, self.n, self.i
+            h = r.hdr
+            h[s, 0], h[s, 1], h[s, 2], h[s, 3] = self.seq, self.idx, self.n, self.i
             head += 1
             self.i += 1
             free -= 1
@@ -120,12 +121,13 @@ class ShmRecv(Req):
         c = r.chunk
         while avail > 0 and self.i < self.nchunks:
             s = tail % r.nslots
-            h = r.hdr[s]
-            if h[0] != self.seq or h[1] != self.idx or h[2] != self.n or h[3] != self.i:
+            h = r.hdr
+            if h[s, 0] != self.seq or h[s, 1] != self.idx or h[s, 2] != self.n \
+                    or h[s, 3] != self.i:
                 raise MismatchError(
                     f"{self.where}: from rank {self.peer} expected message {self.idx} of "
-                    f"{self.n} bytes of collective #{self.seq}, got message {int(h[1])} of "
-                    f"{int(h[2])} bytes of collective #{int(h[0])}: the ranks called "
+                    f"{self.n} bytes of collective #{self.seq}, got message {h[s, 1]} of "
+                    f"{h[s, 2]} bytes of collective #{h[s, 0]}: the ranks called "
                     f"different collectives or passed different sizes")
             off = self.i * c
             m = min(c, self.n - off)

@@ -49,19 +49,20 @@ class Bell:
     __slots__ = ("addr", "words")
 
     def __init__(self, words: np.ndarray) -> None:
-        self.words = words
+        # a memoryview reads and writes plain ints several times faster than numpy indexing
+        self.words = memoryview(words)
         self.addr = words.ctypes.data
 
     def ring(self) -> None:
         w = self.words
-        w[0] = (int(w[0]) + 1) & 0x3FFFFFFF
+        w[0] = (w[0] + 1) & 0x3FFFFFFF
         if w[1]:
             futex_wake(self.addr)
 
     def snapshot(self) -> int:
         """Mark this side as about to sleep and read the bell; then re-check, then sleep."""
         self.words[1] = 1
-        return int(self.words[0])
+        return self.words[0]
 
     def sleep(self, seen: int, timeout_s: float) -> None:
         futex_wait(self.addr, seen, timeout_s)

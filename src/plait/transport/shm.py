@@ -199,19 +199,45 @@ def unlink(name: str) -> None:
 
 class SlotBoard:
     """The direct algorithms' view of a segment: double-buffered slots plus arrive/done
-    sequence numbers per rank (all ranks of the communicator are local here)."""
+    sequence numbers per rank (all ranks of the communicator are local here).
+
+    Control words are read through memoryviews: plain int access, several times faster
+    than numpy scalars, on the path that decides small-message latency."""
 
     def __init__(self, seg: Segment, wait: Callable[..., None]) -> None:
         self.seg = seg
         self.me = seg.me
         self.n = seg.layout.local_size
-        self.arrive = seg.ctl[:, W_ARRIVE]
-        self.done_col = seg.ctl[:, W_DONE]
+        self.arrive = memoryview(seg.ctl[:, W_ARRIVE])
+        self.done_col = memoryview(seg.ctl[:, W_DONE])
         self.bells = seg.bells
         self.others = [i for i in range(self.n) if i != self.me]
         self.slot_size = seg.layout.slot_size
+        self.slots = (seg.slots[0], seg.slots[1])
         self._wait = wait
         self.seq = 0
+        self._views: dict[tuple[int, np.dtype, int, int], list[np.ndarray]] = {}
+
+    def typed(self, s: int, dtype: np.dtype, start: int, count: int) -> list[np.ndarray]:
+        """Every rank's slot (of use ``s``) as ``count`` elements of ``dtype`` from element
+        ``start``; cached, since building views costs more than reading small slots."""
+        key = (s & 1, dtype, start, count)
+        v = self._views.get(key)
+        if v is None:
+            size = dtype.itemsize
+            slots = self.slots[s & 1]
+            v = [slots[k, start * size:(start + count) * size].view(dtype)
+                 for k in range(self.n)]
+            if len(self._views) > 256:
+                self._views.clear()
+            self._views[key] = v
+        return v
+
+    def _all_at_least(self, col: memoryview, s: int) -> bool:
+        for i in range(self.n):
+            if col[i] < s:
+                return False
+        return True
 
     def begin(self, ctx: Any) -> tuple[int, np.ndarray]:
         """Next sequence number and its slots (n x slot_size); waits until every rank has
@@ -220,12 +246,12 @@ class SlotBoard:
         s = self.seq
         if s > 2:
             col = self.done_col
-            if col.min() < s - 2:
-                self._wait(lambda: col.min() >= s - 2, ctx,
+            if not self._all_at_least(col, s - 2):
+                self._wait(lambda: self._all_at_least(col, s - 2), ctx,
                            lambda: "rank(s) " + ", ".join(
                                str(i) for i in range(self.n) if col[i] < s - 2)
                            + " to finish the previous operation")
-        return s, self.seg.slots[s & 1]
+        return s, self.slots[s & 1]
 
     def publish(self, s: int) -> None:
         self.arrive[self.me] = s
@@ -235,18 +261,18 @@ class SlotBoard:
     def wait_for(self, s: int, ranks: list[int] | None, ctx: Any) -> None:
         col = self.arrive
         if ranks is None:
-            if col.min() >= s:
+            if self._all_at_least(col, s):
                 return
 
             def ready() -> bool:
-                return bool(col.min() >= s)
+                return self._all_at_least(col, s)
         else:
             (r,) = ranks
+            if col[r] >= s:
+                return
 
             def ready() -> bool:
-                return bool(col[r] >= s)
-            if ready():
-                return
+                return col[r] >= s
         self._wait(ready, ctx, lambda: "rank(s) " + ", ".join(
             str(i) for i in range(self.n) if col[i] < s))
 
