@@ -9,6 +9,7 @@ exchange), anything else goes through this communicator's progress thread.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import hashlib
 import json
@@ -16,6 +17,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,7 +42,7 @@ from .algorithms import (
 from .algorithms.schedule import Schedule
 from .buffers import Buf, as_buf, expect_count, same_dtype
 from .config import Config, to_seconds
-from .errors import ClosedError, CommTimeoutError, PlaitError
+from .errors import ClosedError, CommTimeoutError, PeerFailedError, PlaitError
 from .executor import OpCtx, Waiter, run
 from .reduce import ReduceOp, Reducer, divide
 from .rendezvous import bind_address, host_identity, launcher_rank_size, store_from_env
@@ -61,6 +63,29 @@ from .tuning import selector
 log = logging.getLogger("plait")
 
 MAX_TAG = 2**31
+LIVENESS_PERIOD_S = 0.5
+
+_live: weakref.WeakSet[Communicator] = weakref.WeakSet()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@atexit.register
+def _close_all() -> None:
+    """Close communicators at interpreter exit, so peers see an orderly close."""
+    for c in list(_live):
+        try:
+            c.close()
+        except Exception:  # exiting anyway
+            pass
 
 
 # -- Work ---------------------------------------------------------------------------------
@@ -69,9 +94,13 @@ MAX_TAG = 2**31
 class Work:
     """The handle of an asynchronous operation."""
 
-    __slots__ = ("_callbacks", "_event", "_exc", "_lock", "source")
+    __slots__ = ("_callbacks", "_event", "_exc", "_lock", "_timeout", "_what", "source")
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float | None = None, what: str = "") -> None:
+        # ``timeout``: the deadline of an operation that nothing else times out (a posted
+        # receive); wait() without a timeout of its own gives up after it.
+        self._timeout = timeout
+        self._what = what
         self._event = threading.Event()
         self._exc: BaseException | None = None
         self._lock = threading.Lock()
@@ -102,7 +131,11 @@ class Work:
         """Block until done; raise the operation's error, or CommTimeoutError if this wait's
         own ``timeout`` expires first (the operation keeps running)."""
         t = None if timeout is None else to_seconds(timeout, 0.0)
-        if not self._event.wait(t):
+        if t is None and self._timeout is not None:
+            if not self._event.wait(self._timeout):
+                raise CommTimeoutError(f"{self._what}: not completed within the "
+                                       f"communicator's timeout of {self._timeout:g} s")
+        elif not self._event.wait(t):
             raise CommTimeoutError(f"Work.wait: not completed within {t:g} s (the operation "
                                    "is still running)")
         if self._exc is not None:
@@ -264,11 +297,13 @@ class Communicator:
         self._shm_senders: dict[int, p2pmod.ShmSender] = {}
         self._send_queues: dict[int, _SendQueue] = {}
         self._lost: dict[int, BaseException] = {}
+        self._next_liveness = 0.0
         try:
             self._setup()
         except BaseException:
             self._teardown()
             raise
+        _live.add(self)
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -379,8 +414,23 @@ class Communicator:
         self._p2p.peer_failed(peer, exc)
 
     def _check_alive(self) -> None:
+        """Called by waits between sleeps: fail fast if closed or a local peer died."""
         if self._closed:
             raise ClosedError(f"rank {self.rank}: the communicator was closed")
+        now = time.monotonic()
+        if self._seg is None or now < self._next_liveness:
+            return
+        self._next_liveness = now + LIVENESS_PERIOD_S
+        ctl = self._seg.ctl
+        for i, r in enumerate(self._local_ranks):
+            if r == self.rank or ctl[i, shm.W_CLOSED]:
+                continue
+            pid = int(ctl[i, shm.W_PID])
+            if pid and not _pid_alive(pid):
+                exc = PeerFailedError(f"rank {self.rank}: rank {r} (pid {pid}) died without "
+                                      "closing its communicator", r)
+                self._lost.setdefault(r, exc)
+                raise exc
 
     # -- public helpers -------------------------------------------------------------------
 
@@ -825,14 +875,12 @@ class Communicator:
         tag = self._check_tag(tag, op)
         b = self._buf(buf, op, "buf", writable=True)
         self._start_p2p()
-        work = Work()
-        self._p2p.post(p2pmod.Recv(b.bytes(), src, tag, work, f"rank {self.rank}, {op}"))
+        who = "any rank" if src is None else f"rank {src}"
+        where = f"rank {self.rank}, {op}"
+        work = Work(self.timeout, f"{where} from {who} with tag {tag}")
+        self._p2p.post(p2pmod.Recv(b.bytes(), src, tag, work, where))
         if async_op:
             return work
-        if not work._event.wait(self.timeout):
-            raise CommTimeoutError(f"rank {self.rank}, recv: no message from "
-                                   f"{'any rank' if src is None else f'rank {src}'} with tag "
-                                   f"{tag} within {self.timeout:g} s")
         work.wait()
         return work.source
 
