@@ -22,8 +22,8 @@ from plait.algorithms import (
     reduce_scatter_ring,
     reduce_tree,
 )
-from plait.algorithms.simulate import Deadlock, simulate
 from plait.algorithms.schedule import Recv, Schedule, Send, Step
+from plait.algorithms.simulate import Deadlock, simulate
 
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 31, 32, 33, 64]
 
@@ -55,10 +55,10 @@ def test_allreduce(n: int, mod) -> None:
 def test_broadcast(n: int) -> None:
     for count in counts_for(n):
         for root in {0, n - 1, n // 2}:
-            for make in (lambda r: broadcast_tree.schedule(r, n, count, root),
-                         lambda r: broadcast_chain.schedule(r, n, count, root, 5)):
+            for scheds in ([broadcast_tree.schedule(r, n, count, root) for r in range(n)],
+                           [broadcast_chain.schedule(r, n, count, root, 5) for r in range(n)]):
                 bufs = [data(r, count) for r in range(n)]
-                simulate([make(r) for r in range(n)], bufs, bufs, None, in_place=True)
+                simulate(scheds, bufs, bufs, None, in_place=True)
                 for r in range(n):
                     np.testing.assert_array_equal(bufs[r], data(root, count))
 

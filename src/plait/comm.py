@@ -333,10 +333,17 @@ class Communicator:
             layout = shm.Layout(len(local), cfg.shm_slot_size, cfg.shm_chunk_size,
                                 cfg.shm_ring_chunks)
             name = f"plait-{self._uid.hex()[:20]}-{host_index}-{os.getuid()}"
+            fail_key = f"{self._prefix}/shmfail/{host_index}"
             if self._me_local == 0:
                 self._seg = shm.create(name, layout, 0)
                 try:
+                    polls = 0
                     while not self._seg.ctl[:, shm.W_ATTACHED].all():
+                        polls += 1
+                        if polls % 50 == 0 and self._store.check([fail_key]):
+                            raise PlaitError(f"rank {self.rank}, init: a local rank could not "
+                                             "attach to shared memory: "
+                                             f"{self._store.get(fail_key).decode()}")
                         if time.monotonic() > deadline:
                             att = self._seg.ctl[:, shm.W_ATTACHED]
                             missing = [r for i, r in enumerate(local) if not att[i]]
@@ -347,7 +354,12 @@ class Communicator:
                 finally:
                     shm.unlink(name)
             else:
-                self._seg = shm.attach(name, layout, self._me_local, deadline)
+                try:
+                    self._seg = shm.attach(name, layout, self._me_local, deadline)
+                except PlaitError as exc:
+                    # tell the creator at once, so it unlinks instead of waiting for us
+                    self._store.set(fail_key, f"rank {self.rank}: {exc}")
+                    raise
             self._bell = self._seg.bells[self._me_local]
             self._p2p_bell = self._seg.p2p_bells[self._me_local]
         else:
