@@ -7,6 +7,7 @@ bounded timeout, re-checking the deadline and the communicator's failure state e
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -49,10 +50,13 @@ class OpCtx:
 class Waiter:
     """Spin, then sleep on ``bell``, until ``ready()``; raise on deadline or failure."""
 
-    def __init__(self, bell: Bell, spin_s: float, check: Callable[[], None]) -> None:
+    def __init__(self, bell: Bell, spin_s: float, check: Callable[[], None],
+                 yield_cpu: bool = False) -> None:
         self.bell = bell
         self.spin_s = spin_s
         self.check = check
+        # with more ranks than cores, spinning steals the core from the rank we wait for
+        self.yield_cpu = yield_cpu
 
     def wait(self, ready: Callable[[], bool], ctx: OpCtx,
              waiting_for: Callable[[], str]) -> None:
@@ -65,6 +69,8 @@ class Waiter:
                 return
             now = time.monotonic()
             if now < spin_until:
+                if self.yield_cpu:
+                    os.sched_yield()
                 continue
             self.check()
             if now > ctx.deadline:

@@ -11,6 +11,7 @@ blocks the send, and sends complete as soon as the data is handed over.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -255,6 +256,7 @@ class Drainer:
                     spin_until = time.monotonic() + self.spin_s
                     continue
                 if time.monotonic() < spin_until:
+                    os.sched_yield()
                     continue
                 seen = self.bell.snapshot()
                 try:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-WorkBase: type = dist._Work
+WorkBase = dist._Work
 """Base class of plait's c10d Work objects."""
 
 profiler_enabled: Callable[[], bool] = torch.autograd._profiler_enabled
@@ -116,7 +116,7 @@ def check() -> list[str]:
     except ImportError:
         problems.append("torch.distributed.distributed_c10d._DistributedBackendOptions is gone")
     try:
-        need(dist._make_nccl_premul_sum(2.0).factor == 2.0,
+        need(bool(dist._make_nccl_premul_sum(2.0).factor == 2.0),
              "ReduceOp.factor does not give the PREMUL_SUM factor")
     except (AttributeError, RuntimeError) as exc:
         problems.append(f"PREMUL_SUM factor unreadable: {exc}")

@@ -23,7 +23,7 @@ import datetime
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -53,24 +53,27 @@ BACKEND_NAME = "plait"
 
 Tensor = torch.Tensor
 Finish = Callable[[], None]
-_RedOpType = dist.ReduceOp.RedOpType
-_RED: dict[Any, ReduceOp] = {
-    _RedOpType.SUM: ReduceOp.SUM, _RedOpType.AVG: ReduceOp.AVG,
-    _RedOpType.PRODUCT: ReduceOp.PROD, _RedOpType.MIN: ReduceOp.MIN,
-    _RedOpType.MAX: ReduceOp.MAX, _RedOpType.BAND: ReduceOp.BAND,
-    _RedOpType.BOR: ReduceOp.BOR, _RedOpType.BXOR: ReduceOp.BXOR,
+_T = TypeVar("_T")
+_RO = dist.ReduceOp
+# Keyed by the enum's int value: hashing the pybind enum itself costs ~0.5 us per call.
+_RED: dict[int, ReduceOp] = {
+    _RO.SUM.value: ReduceOp.SUM, _RO.AVG.value: ReduceOp.AVG,
+    _RO.PRODUCT.value: ReduceOp.PROD, _RO.MIN.value: ReduceOp.MIN,
+    _RO.MAX.value: ReduceOp.MAX, _RO.BAND.value: ReduceOp.BAND,
+    _RO.BOR.value: ReduceOp.BOR, _RO.BXOR.value: ReduceOp.BXOR,
 }
+_PREMUL_SUM = _RO.PREMUL_SUM.value
 
 
 def _reduce_op(red: Any) -> tuple[ReduceOp, float | Tensor | None]:
     """plait's op for a ``dist.ReduceOp`` and, for PREMUL_SUM, the factor to apply first."""
-    kind = red.op
+    kind = red.op.value
     op = _RED.get(kind)
     if op is not None:
         return op, None
-    if kind == _RedOpType.PREMUL_SUM:
+    if kind == _PREMUL_SUM:
         return ReduceOp.SUM, _compat.premul_factor(red)
-    raise ValueError(f"plait: unsupported reduce op {kind}")
+    raise ValueError(f"plait: unsupported reduce op {red.op}")
 
 
 class PlaitWork(WorkBase):  # type: ignore[misc]
@@ -196,11 +199,11 @@ def _red_name(op: ReduceOp, factor: Any) -> str:
     return "PREMUL_SUM" if factor is not None else op.name
 
 
-def _one(tensors: Sequence[Tensor], op: str) -> Tensor:
-    if len(tensors) != 1:
-        raise ValueError(f"plait {op}: expected exactly one tensor per process, got "
-                         f"{len(tensors)}")
-    return tensors[0]
+def _one(items: Sequence[_T], op: str) -> _T:
+    if len(items) != 1:
+        raise ValueError(f"plait {op}: expected exactly one tensor (list) per process, got "
+                         f"{len(items)}")
+    return items[0]
 
 
 def _contiguous(t: Tensor, finish: list[Finish]) -> Tensor:
@@ -208,7 +211,7 @@ def _contiguous(t: Tensor, finish: list[Finish]) -> Tensor:
     if t.is_contiguous():
         return t
     tmp = t.contiguous()
-    finish.append(lambda: t.copy_(tmp))  # type: ignore[arg-type,return-value]
+    finish.append(lambda: _copy(t, tmp))
     return tmp
 
 
@@ -216,6 +219,10 @@ def _flat_cat(tensors: Sequence[Tensor]) -> Tensor:
     if not tensors:
         raise ValueError("plait: empty tensor list")
     return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _copy(dst: Tensor, flat: Tensor) -> None:
+    dst.copy_(flat.view(dst.shape))
 
 
 def _unflatten_into(flat: Tensor, outputs: Sequence[Tensor]) -> None:
@@ -247,9 +254,9 @@ class ProcessGroupPlait(dist.ProcessGroup):  # type: ignore[misc]
                  group_name: str = "") -> None:
         # torch 2.13: passing the store to the base constructor fails ("returned holder-
         # wrapped instance is not an alias instance"); plait keeps it (TORCH_NOTES.md).
-        super().__init__(rank, size)
-        self._store = store
-        self._comm = plait.init(rank, size, store=store, timeout=timeout)
+        super().__init__(rank, size)  # type: ignore[call-arg]
+        self._store: dist.Store | None = store
+        self._comm: Any = plait.init(rank, size, store=store, timeout=timeout)
         self._group_name = group_name
         self._group_desc = ""
         self._coalesced: list[PlaitWork] | None = None
@@ -299,7 +306,11 @@ class ProcessGroupPlait(dist.ProcessGroup):  # type: ignore[misc]
                finish: Finish | None) -> PlaitWork:
         fut: torch.futures.Future[Any] = torch.futures.Future()
         public = _compat.profile_future(name, fut) if profiler_enabled() else fut
-        started = start()
+        try:
+            started = start()
+        except BaseException as exc:  # invalid arguments: raise, and end the profiler range
+            fut.set_exception(exc)
+            raise
         works = started if isinstance(started, list) else [started]
         work = PlaitWork(fut, works, outputs, public)
         done = _Completion(max(len(works), 1), fut, outputs, finish)
@@ -319,10 +330,12 @@ class ProcessGroupPlait(dist.ProcessGroup):  # type: ignore[misc]
         return self._async(name, lambda: start(True), outputs, finish)
 
     # -- allreduce ------------------------------------------------------------------
-    def allreduce(self, tensors: list[Tensor], opts: Any = None) -> WorkBase:
+    def allreduce(self, tensors: list[Tensor], opts: Any = None) -> WorkBase:  # type: ignore[override]
         if opts is None:
             opts = AllreduceOptions()
-        t = _one(tensors, "allreduce")
+        if len(tensors) != 1:
+            _one(tensors, "allreduce")
+        t = tensors[0]
         op, factor = _reduce_op(opts.reduceOp)
         if self._check is not None:
             self._check("allreduce", t.dtype, t.numel(), ANY, _red_name(op, factor))
@@ -376,7 +389,7 @@ class ProcessGroupPlait(dist.ProcessGroup):  # type: ignore[misc]
         return self._go("plait::allreduce_coalesced", opts.asyncOp, start, tensors, finish)
 
     # -- rooted ops -----------------------------------------------------------------
-    def broadcast(self, tensors: list[Tensor], opts: Any = None) -> WorkBase:
+    def broadcast(self, tensors: list[Tensor], opts: Any = None) -> WorkBase:  # type: ignore[override]
         if opts is None:
             opts = BroadcastOptions()
         t = _one(tensors, "broadcast")
@@ -390,7 +403,7 @@ class ProcessGroupPlait(dist.ProcessGroup):  # type: ignore[misc]
                         lambda a: comm.broadcast(buf, root, async_op=a), tensors,
                         _run_finish(finish))
 
-    def reduce(self, tensors: list[Tensor], opts: Any = None) -> WorkBase:
+    def reduce(self, tensors: list[Tensor], opts: Any = None) -> WorkBase:  # type: ignore[override]
         if opts is None:
             opts = ReduceOptions()
         t = _one(tensors, "reduce")
@@ -404,14 +417,14 @@ class ProcessGroupPlait(dist.ProcessGroup):  # type: ignore[misc]
             # Scale a copy: reduce leaves non-root buffers unchanged.
             buf = t.mul(factor).contiguous()
             if self.rank() == root:
-                finish.append(lambda: t.copy_(buf))  # type: ignore[arg-type,return-value]
+                finish.append(lambda: _copy(t, buf))
         else:
             buf = _contiguous(t, finish)
         return self._go("plait::reduce", opts.asyncOp,
                         lambda a: comm.reduce(buf, root, op, async_op=a), tensors,
                         _run_finish(finish))
 
-    def gather(self, output_lists: list[list[Tensor]], inputs: list[Tensor],
+    def gather(self, output_lists: list[list[Tensor]], inputs: list[Tensor],  # type: ignore[override]
                opts: Any = None) -> WorkBase:
         if opts is None:
             opts = GatherOptions()
@@ -429,7 +442,7 @@ class ProcessGroupPlait(dist.ProcessGroup):  # type: ignore[misc]
         return self._go("plait::gather", opts.asyncOp,
                         lambda a: comm.gather(inp, None, root, async_op=a), [])
 
-    def scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]],
+    def scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]],  # type: ignore[override]
                 opts: Any = None) -> WorkBase:
         if opts is None:
             opts = ScatterOptions()
@@ -446,7 +459,7 @@ class ProcessGroupPlait(dist.ProcessGroup):  # type: ignore[misc]
                         _run_finish(finish))
 
     # -- allgather ------------------------------------------------------------------
-    def allgather(self, output_lists: list[list[Tensor]], inputs: list[Tensor],
+    def allgather(self, output_lists: list[list[Tensor]], inputs: list[Tensor],  # type: ignore[override]
                   opts: Any = None) -> WorkBase:
         if opts is None:
             opts = AllgatherOptions()
@@ -481,7 +494,7 @@ class ProcessGroupPlait(dist.ProcessGroup):  # type: ignore[misc]
                         lambda a: comm.allgather(inp, out, async_op=a), [output],
                         _run_finish(finish))
 
-    _allgather_base = all_gather_single
+    _allgather_base = all_gather_single  # type: ignore[assignment]
 
     def allgather_coalesced(self, output_lists: list[list[Tensor]], inputs: list[Tensor],
                             opts: Any = None) -> WorkBase:
@@ -523,10 +536,10 @@ class ProcessGroupPlait(dist.ProcessGroup):  # type: ignore[misc]
                         lambda a: comm.allgather(flat_in, staging, async_op=a), outputs,
                         finish)
 
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
 
     # -- reduce_scatter -------------------------------------------------------------
-    def reduce_scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]],
+    def reduce_scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]],  # type: ignore[override]
                        opts: Any = None) -> WorkBase:
         if opts is None:
             opts = ReduceScatterOptions()
@@ -549,7 +562,7 @@ class ProcessGroupPlait(dist.ProcessGroup):  # type: ignore[misc]
         off = sum(t.numel() for t in ins[:self.rank()])
         return self._go("plait::reduce_scatter", opts.asyncOp,
                         lambda a: comm.allreduce(flat, op, async_op=a), outputs,
-                        lambda: out.copy_(flat[off:off + out.numel()].view(out.shape)))
+                        lambda: _copy(out, flat[off:off + out.numel()]))
 
     def reduce_scatter_single(self, output: Tensor, input: Tensor,
                               opts: Any = None) -> WorkBase:
@@ -567,7 +580,7 @@ class ProcessGroupPlait(dist.ProcessGroup):  # type: ignore[misc]
                         lambda a: comm.reduce_scatter(inp, out, op, async_op=a), [output],
                         _run_finish(finish))
 
-    _reduce_scatter_base = reduce_scatter_single
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
     def reduce_scatter_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor],
                                         opts: Any = None) -> WorkBase:
@@ -589,7 +602,7 @@ class ProcessGroupPlait(dist.ProcessGroup):  # type: ignore[misc]
                         lambda a: comm.reduce_scatter(staging, result, op, async_op=a),
                         outputs, lambda: _unflatten_into(result, outputs))
 
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
     # -- all-to-all -----------------------------------------------------------------
     def all_to_all_single(self, output: Tensor, input: Tensor,
@@ -618,7 +631,7 @@ class ProcessGroupPlait(dist.ProcessGroup):  # type: ignore[misc]
         return self._go("plait::all_to_all_single", opts.asyncOp, start, [output],
                         _run_finish(finish))
 
-    alltoall_base = all_to_all_single
+    alltoall_base = all_to_all_single  # type: ignore[assignment]
 
     def alltoall(self, outputs: list[Tensor], inputs: list[Tensor],
                  opts: Any = None) -> WorkBase:
@@ -680,21 +693,44 @@ class ProcessGroupPlait(dist.ProcessGroup):  # type: ignore[misc]
             fut.set_result(outputs)
             return PlaitWork(fut, [], outputs)
         done = _Completion(len(works), fut, outputs, None)
+
+        def one_done(f: torch.futures.Future[Any]) -> None:
+            done.complete(_future_error(f))
+
         for w in works:
-            w._fut.add_done_callback(lambda f, _d=done: _d.complete(_future_error(f)))
+            w._fut.add_done_callback(one_done)
         return PlaitWork(fut, [w for pw in works for w in pw._works], outputs)
 
     # -- shutdown -------------------------------------------------------------------
     def shutdown(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._comm.close()
+        """Close the communicator (destroy_process_group calls this)."""
+        self._release(abort=False)
 
     def abort(self) -> None:
-        if not self._closed:
-            self._closed = True
-            abort = getattr(self._comm, "abort", None)
-            (abort or self._comm.close)()
+        self._release(abort=True)
+
+    def _release(self, abort: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        comm = self._comm
+        stop = getattr(comm, "abort", None) if abort else None
+        (stop or comm.close)()
+        # Users keep group objects after destroy_process_group; drop what holds sockets,
+        # file descriptors and the store (its server, on rank 0) so nothing outlives it.
+        self._comm = _Destroyed(self.rank(), self._group_name)
+        self._check = None
+        self._store = None
+
+
+class _Destroyed:
+    """Stands for the communicator of a destroyed group: every use raises ClosedError."""
+
+    def __init__(self, rank: int, group: str) -> None:
+        self._what = f"rank {rank}: process group {group!r} was destroyed"
+
+    def __getattr__(self, name: str) -> Any:
+        raise plait.ClosedError(f"{self._what}; {name} is not possible")
 
 
 def _future_error(f: torch.futures.Future[Any]) -> BaseException | None:
