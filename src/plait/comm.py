@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import hashlib
 import json
 import logging
@@ -966,13 +967,22 @@ class Communicator:
             self._hub.close()
             self._hub = None
         if self._seg is not None:
-            self._seg.ctl[self._seg.me, shm.W_CLOSED] = 1
+            seg = self._seg
+            seg.ctl[seg.me, shm.W_CLOSED] = 1
+            # Drop every view into the segment: Python 3.11's mmap keeps a duplicate of the
+            # file descriptor until it is closed, and it can close only with no view alive.
             self._chan_cache.clear()
             self._shm_senders.clear()
+            self._inboxes.clear()
             self._board = None
-            self._seg.close()
             self._seg = None
+            self._bell = self._p2p_bell = private_bell()
+            self._waiter = Waiter(self._bell, 0.0, self._check_alive)
+            if not seg.close():
+                gc.collect()
+                seg.close()
         self._owned_store = None
+        self._store = None
 
     def __del__(self) -> None:
         try:

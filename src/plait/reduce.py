@@ -110,10 +110,19 @@ def _make_reducer(dt: DType, op: ReduceOp, rank: int, opname: str) -> Reducer:
     if dt.name == "bfloat16":
         return _bf16_reducer(op)
 
-    def reduce(acc: np.ndarray, other: np.ndarray, _u: Any = ufunc) -> None:
-        _u(acc, other, out=acc)
+    if dt.kind != "f":
+        def reduce(acc: np.ndarray, other: np.ndarray, _u: Any = ufunc) -> None:
+            _u(acc, other, out=acc)
 
-    return reduce
+        return reduce
+
+    def reduce_fp(acc: np.ndarray, other: np.ndarray, _u: Any = ufunc) -> None:
+        # overflow to inf is a result, as in every other backend, not a warning that
+        # -W error would turn into an exception in the caller's allreduce
+        with np.errstate(over="ignore", invalid="ignore"):
+            _u(acc, other, out=acc)
+
+    return reduce_fp
 
 
 def _bf16_reducer(op: ReduceOp) -> Reducer:
@@ -138,7 +147,8 @@ def divide(buf: np.ndarray, dt: DType, n: int) -> None:
         t = torch.from_numpy(buf).view(torch.bfloat16)
         t.div_(n)
     else:
-        np.true_divide(buf, n, out=buf)
+        with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+            np.true_divide(buf, n, out=buf)
 
 
 DTYPES: dict[str, DType] = {

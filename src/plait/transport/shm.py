@@ -124,15 +124,16 @@ class Segment:
         else:
             self.rings = None
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Unmap; False while a view is still alive elsewhere (try again after gc)."""
         # Drop our numpy views first: mmap.close() refuses while buffers are exported.
-        # Views held elsewhere (a user's result is never one of them) keep it mapped.
         self.words = self.ctl = self.ring_ctl = self.slots = self.rings = None  # type: ignore[assignment]
         self.bells = self.p2p_bells = []
         try:
             self.mm.close()
         except BufferError:
-            pass  # a view is still alive somewhere; the mapping goes with the process
+            return False
+        return True
 
 
 def shm_path(name: str) -> str:
