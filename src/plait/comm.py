@@ -282,7 +282,9 @@ class Communicator:
         self._broken: BaseException | None = None
         self._seq = 0
         self._split_seq = 0
-        self._cv = threading.Condition()
+        self._cv = threading.Condition(threading.Lock())
+        self._red_cache: dict[tuple[Any, str], tuple[ReduceOp, Reducer]] = {}
+        self._sel_cache: dict[tuple[str, int, int], str] = {}
         self._queue: deque[tuple[int, str, Callable[[OpCtx], None], Work]] = deque()
         self._busy = False
         self._thread: threading.Thread | None = None
@@ -549,8 +551,18 @@ class Communicator:
         return as_buf(obj, rank=self.rank, op=op, arg=arg, writable=writable)
 
     def _reducer(self, op: Any, b: Buf, name: str) -> tuple[ReduceOp, Reducer]:
+        try:
+            key = (op, b.dtype.name)
+            hit = self._red_cache.get(key)
+        except TypeError:  # an unhashable op object
+            key, hit = None, None
+        if hit is not None:
+            return hit
         rop = ReduceOp.parse(op, rank=self.rank, opname=name)
-        return rop, b.dtype.reducer(rop, rank=self.rank, opname=name)
+        pair = rop, b.dtype.reducer(rop, rank=self.rank, opname=name)
+        if key is not None:
+            self._red_cache[key] = pair
+        return pair
 
     def _counts(self, counts: Any, op: str, what: str) -> tuple[int, ...]:
         try:
@@ -566,7 +578,14 @@ class Communicator:
         return out
 
     def _select(self, op: str, nbytes: int, slot_bytes: int) -> str:
-        return selector.select(op, nbytes, slot_bytes, self._situation, self._cfg.algo)
+        key = (op, nbytes, slot_bytes)
+        algo = self._sel_cache.get(key)
+        if algo is None:
+            algo = selector.select(op, nbytes, slot_bytes, self._situation, self._cfg.algo)
+            if len(self._sel_cache) > 4096:
+                self._sel_cache.clear()
+            self._sel_cache[key] = algo
+        return algo
 
     def _run(self, ctx: OpCtx, sched: Schedule, inbuf: np.ndarray | None,
              outbuf: np.ndarray | None, reducer: Reducer | None, storage: np.dtype) -> None:

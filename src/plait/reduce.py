@@ -62,6 +62,21 @@ def _torch_op_name(op: Any) -> str | None:
     return text.rsplit(".", 1)[-1].upper()
 
 
+def _quiet_fp_state() -> tuple[Any, Any] | None:
+    """numpy's floating-point error state as a context variable plus the value that
+    ignores overflow: setting it directly costs ~0.2 us, np.errstate ~2 us (numpy 2.x;
+    None on a numpy without it, which falls back to np.errstate)."""
+    try:
+        from numpy._core.umath import _extobj_contextvar as cv
+    except ImportError:
+        return None
+    with np.errstate(over="ignore", invalid="ignore"):
+        quiet = cv.get()
+    return cv, quiet
+
+
+_QUIET = _quiet_fp_state()
+
 Reducer = Callable[[np.ndarray, np.ndarray], None]
 """``reducer(acc, other)``: ``acc = acc (op) other`` in place, both of the storage dtype."""
 
@@ -116,13 +131,25 @@ def _make_reducer(dt: DType, op: ReduceOp, rank: int, opname: str) -> Reducer:
 
         return reduce
 
-    def reduce_fp(acc: np.ndarray, other: np.ndarray, _u: Any = ufunc) -> None:
-        # overflow to inf is a result, as in every other backend, not a warning that
-        # -W error would turn into an exception in the caller's allreduce
+    if _QUIET is not None:
+        cv, quiet = _QUIET
+
+        def reduce_fp(acc: np.ndarray, other: np.ndarray, _u: Any = ufunc) -> None:
+            # overflow to inf is a result, as in every other backend, not a warning that
+            # -W error would turn into an exception in the caller's allreduce
+            token = cv.set(quiet)
+            try:
+                _u(acc, other, out=acc)
+            finally:
+                cv.reset(token)
+
+        return reduce_fp
+
+    def reduce_fp_slow(acc: np.ndarray, other: np.ndarray, _u: Any = ufunc) -> None:
         with np.errstate(over="ignore", invalid="ignore"):
             _u(acc, other, out=acc)
 
-    return reduce_fp
+    return reduce_fp_slow
 
 
 def _bf16_reducer(op: ReduceOp) -> Reducer:
