@@ -65,9 +65,15 @@ def as_buf(obj: Any, *, rank: int, op: str, arg: str, writable: bool = False) ->
 _SMALL_TENSOR = 1 << 16
 _CACHE_SIZE = 32
 _tensor_cache: dict[tuple[int, int, Any], np.ndarray] = {}
+_TORCH_NAMES: dict[Any, str] = {}
 
 
 def _tensor_buf(t: Any, torch: Any, *, rank: int, op: str, arg: str) -> Buf:
+    tdt = t.dtype
+    n = t.numel()
+    arr = _tensor_cache.get((t.data_ptr(), n, tdt))
+    if arr is not None and t.is_cpu and t.is_contiguous() and t.layout == torch.strided:
+        return Buf(arr, DTYPES[_TORCH_NAMES[tdt]])
     if t.device.type != "cpu":
         raise ValueError(_err(rank, op, arg, f"is on device {t.device}; plait moves CPU "
                               "tensors only (copy it to the CPU first)"))
@@ -75,23 +81,17 @@ def _tensor_buf(t: Any, torch: Any, *, rank: int, op: str, arg: str) -> Buf:
         raise ValueError(_err(rank, op, arg, f"has layout {t.layout}; only dense tensors"))
     if not t.is_contiguous():
         raise ValueError(_err(rank, op, arg, "is not contiguous; pass t.contiguous()"))
-    tdt = t.dtype
     name = str(tdt).removeprefix("torch.")
     dt = DTYPES.get(name)
     if dt is None:
         raise TypeError(_err(rank, op, arg, f"has unsupported dtype {tdt} "
                              f"(supported: {', '.join(DTYPES)})"))
-    n = t.numel()
-    if n * dt.itemsize <= _SMALL_TENSOR:
-        key = (t.data_ptr(), n, tdt)
-        arr = _tensor_cache.get(key)
-        if arr is not None:
-            return Buf(arr, dt)
     if name == "bfloat16":
         arr = t.detach().view(torch.int16).reshape(-1).numpy().view(np.uint16)
     else:
         arr = t.detach().reshape(-1).numpy()
     if n * dt.itemsize <= _SMALL_TENSOR:
+        _TORCH_NAMES[tdt] = name
         if len(_tensor_cache) >= _CACHE_SIZE:
             _tensor_cache.pop(next(iter(_tensor_cache)))
         _tensor_cache[(t.data_ptr(), n, tdt)] = arr
