@@ -41,6 +41,8 @@ def _torch_module() -> Any:
 
 def as_buf(obj: Any, *, rank: int, op: str, arg: str, writable: bool = False) -> Buf:
     """Validate ``obj`` and return a flat view; raises TypeError/ValueError on bad input."""
+    if isinstance(obj, Buf):  # already validated (plait passing views between its layers)
+        return obj
     if isinstance(obj, np.ndarray):
         dt = dtype_of_numpy(obj.dtype)
         if dt is None:

@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -43,11 +44,18 @@ from .algorithms import (
 from .algorithms.schedule import Schedule
 from .buffers import Buf, as_buf, expect_count, same_dtype
 from .config import Config, to_seconds
-from .errors import ClosedError, CommTimeoutError, PeerFailedError, PlaitError
+from .errors import ClosedError, CommTimeoutError, PlaitError
 from .executor import OpCtx, Waiter, run
+from .flightrec import ENDED, ERROR, STARTED, FlightRecorder
+from .health import Health
 from .reduce import ReduceOp, Reducer, divide
-from .rendezvous import bind_address, host_identity, launcher_rank_size, store_from_env
-from .transport import shm, wire
+from .rendezvous import host_identity, launcher_rank_size, store_from_env
+from .topology import discover as topo_discover
+from .topology import file as topo_file
+from .topology import model as topo_model
+from .topology.order import ring_allreduce, ring_order
+from .topology.rails import rail_address
+from .transport import cma, shm, wire
 from .transport.channels import (
     CollInbox,
     ShmRecv,
@@ -64,19 +72,8 @@ from .tuning import selector
 log = logging.getLogger("plait")
 
 MAX_TAG = 2**31
-LIVENESS_PERIOD_S = 0.5
 
 _live: weakref.WeakSet[Communicator] = weakref.WeakSet()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @atexit.register
@@ -168,16 +165,38 @@ def _done_work(source: int | None = None) -> Work:
 
 
 class _ShmChannel:
-    def __init__(self, seg: shm.Segment, me: int, peer_local: int, peer: int) -> None:
+    def __init__(self, seg: shm.Segment, me: int, peer_local: int, peer: int,
+                 cma_min: int) -> None:
         self.peer = peer
+        self.me = me
+        self.peer_local = peer_local
+        self.ctl = seg.ctl
         self.out_ring = ShmRing(seg, shm.KIND_COLL, me, peer_local)
         self.in_ring = ShmRing(seg, shm.KIND_COLL, peer_local, me)
         self.peer_bell = seg.bells[peer_local]
+        self.cma_min = cma_min if cma.AVAILABLE and seg.layout.local_size <= 63 else 0
+        self.cma_checked = not self.cma_min
+
+    def _verify_cma(self) -> None:
+        """Trust the peer's addresses once we have read its nonce through them."""
+        row = self.ctl[self.peer_local]
+        pid, addr, nonce = int(row[shm.W_PID]), int(row[shm.W_NONCE_ADDR]), int(
+            row[shm.W_NONCE])
+        if not (pid and addr and nonce):
+            return  # the peer has not attached yet: try again next time
+        self.cma_checked = True
+        if cma.read_word(pid, addr) == nonce:
+            mine = self.ctl[self.me]
+            mine[shm.W_CMA_FROM] = int(mine[shm.W_CMA_FROM]) | (1 << self.peer_local)
 
     def send(self, view: np.ndarray, ctx: OpCtx, idx: int) -> ShmSend:
-        return ShmSend(self.peer, self.out_ring, view, ctx.seq, idx, self.peer_bell)
+        use_cma = bool(self.cma_min) and len(view) >= self.cma_min and bool(
+            (int(self.ctl[self.peer_local, shm.W_CMA_FROM]) >> self.me) & 1)
+        return ShmSend(self.peer, self.out_ring, view, ctx.seq, idx, self.peer_bell, use_cma)
 
     def recv(self, view: np.ndarray, reducer: Reducer | None, ctx: OpCtx, idx: int) -> ShmRecv:
+        if not self.cma_checked:
+            self._verify_cma()
         return ShmRecv(self.peer, self.in_ring, view, reducer, ctx.seq, idx, self.peer_bell,
                        ctx.where)
 
@@ -188,9 +207,13 @@ class _TcpChannel:
         self.peer = peer
         self.inbox = comm._inbox(peer)
 
-    def send(self, view: np.ndarray, ctx: OpCtx, idx: int) -> TcpSend:
-        return TcpSend(self.peer, self.comm._outbound(self.peer, ctx.deadline), view, ctx.seq,
-                       idx)
+    def send(self, view: np.ndarray, ctx: OpCtx, idx: int) -> Any:
+        out = self.comm._outbound(self.peer, ctx.deadline)
+        if out.striper is not None and len(view) > out.max_frame:
+            from .transport.streams import StripedSend
+
+            return StripedSend(self.peer, out.striper, view, ctx.seq, idx, self.comm._bell)
+        return TcpSend(self.peer, out, view, ctx.seq, idx)
 
     def recv(self, view: np.ndarray, reducer: Reducer | None, ctx: OpCtx, idx: int) -> TcpRecv:
         return TcpRecv(self.peer, self.inbox, view, reducer, ctx.seq, idx, ctx.where)
@@ -267,9 +290,16 @@ class Communicator:
     """A group of ranks that run collectives and point-to-point operations together."""
 
     def __init__(self, *, rank: int, size: int, store: Any, prefix: str, timeout: float,
-                 cfg: Config, job: bytes, secret: bytes, owned_store: Any = None) -> None:
+                 cfg: Config, job: bytes, secret: bytes, owned_store: Any = None,
+                 host_local_rank: int | None = None) -> None:
         self.rank = rank
         self.size = size
+        # this process's local rank on its host in the job's world communicator: the rail
+        # its TCP traffic uses, in sub-communicators too (topology/rails.py)
+        self._host_local_rank = host_local_rank
+        self.topology: topo_model.Topology | None = None
+        self._ring: tuple[int, ...] = ()
+        self._hier: Any = None  # algorithms.hier.Hier, made at the first hierarchical op
         self.timeout = timeout
         self._cfg = cfg
         self._store = store
@@ -301,11 +331,25 @@ class Communicator:
         self._send_queues: dict[int, _SendQueue] = {}
         self._lost: dict[int, BaseException] = {}
         self._next_liveness = 0.0
+        # reliability (plait.health, plait.flightrec): the running op, what the last
+        # _select/_buf saw (for the recorder), this rank's shm control words
+        self._store_host: int | None = None
+        self._cur_ctx: OpCtx | None = None
+        self._op_nbytes = 0
+        self._op_algo = ""
+        self._op_dtype: Any = None
+        self._my_ctl: memoryview | None = None
+        self._rec = FlightRecorder(cfg.flight_recorder_entries)
+        self._health = Health(self)
         try:
             self._setup()
         except BaseException:
             self._teardown()
             raise
+        if cfg.debug == "check":
+            from . import check
+
+            check.install(self)
         _live.add(self)
 
     # -- set-up ---------------------------------------------------------------------------
@@ -314,11 +358,16 @@ class Communicator:
         cfg = self._cfg
         deadline = time.monotonic() + self.timeout
         me_host = host_identity(cfg.host_id)
-        self._store.set(f"{self._prefix}/info/{self.rank}",
-                        json.dumps({"host": me_host, "pid": os.getpid()}))
+        # every rank's discovery info (topology/discover.py) travels with its host identity
+        info = {**topo_discover.local_info(cfg.host_id, cfg.socket_ifname), "host": me_host,
+                "pid": os.getpid(), "hlr": self._host_local_rank}
+        self._store.set(f"{self._prefix}/info/{self.rank}", json.dumps(info))
         infos = [json.loads(_get(self._store, f"{self._prefix}/info/{r}", self.timeout))
                  for r in range(self.size)]
         self._hosts = [i["host"] for i in infos]
+        self.topology = topo_model.build(
+            infos, topo_file.load(cfg.topo_file) if cfg.topo_file else None)
+        self._ring = tuple(ring_order(self.topology))
         if cfg.transport == "tcp":
             local = [self.rank]
         else:
@@ -326,6 +375,8 @@ class Communicator:
         self._local_ranks = local
         self._local_index = {r: i for i, r in enumerate(local)}
         self._me_local = self._local_index[self.rank]
+        if self._host_local_rank is None:  # a world communicator: its local rank picks the rail
+            self._host_local_rank = self._me_local
         self.all_local = len(local) == self.size
         remote = [r for r in range(self.size) if r not in self._local_index]
         # Spin long enough that a peer a little behind is caught without a futex round
@@ -369,6 +420,7 @@ class Communicator:
                     raise
             self._bell = self._seg.bells[self._me_local]
             self._p2p_bell = self._seg.p2p_bells[self._me_local]
+            self._my_ctl = memoryview(self._seg.ctl[self._me_local])
         else:
             self._bell = private_bell()
             self._p2p_bell = private_bell()
@@ -376,18 +428,30 @@ class Communicator:
                               yield_cpu=self._oversubscribed)
         if self._seg is not None and self.all_local:
             self._board = shm.SlotBoard(self._seg, self._waiter.wait)
-        self._situation = selector.Situation(self.size, self.all_local and self.size > 1,
-                                             bool(remote), cfg.shm_slot_size)
+        self._situation = selector.situation(self.size, self.all_local and self.size > 1,
+                                             bool(remote), cfg.shm_slot_size, self.topology,
+                                             cfg.transport != "tcp")
         if remote:
-            host = bind_address(cfg.socket_ifname, self._store, local_rank=self._me_local)
+            host, bind_src = rail_address(self.topology, self.rank, self._host_local_rank,
+                                          cfg.socket_ifname, self._store)
             self._hub = TcpHub(rank=self.rank, job=self._job, comm_uid=self._uid,
                                secret=self._secret, bind_host=host,
                                max_frame=cfg.tcp_chunk_size, on_frame=self._on_frame,
-                               on_peer_lost=self._on_peer_lost)
+                               on_peer_lost=self._on_peer_lost, nsocks=cfg.nsocks,
+                               bind_source=bind_src)
             self._store.set(f"{self._prefix}/tcp/{self.rank}",
                             f"{self._hub.address[0]}:{self._hub.address[1]}")
         log.debug("rank %d: communicator %s of %d ranks, %d local", self.rank, self._prefix,
                   self.size, len(local))
+
+    def _hierarchy(self) -> Any:
+        """The sub-communicators of hierarchical operations (algorithms/hier.py), made at
+        the first one: every rank runs the same operations in the same order."""
+        if self._hier is None:
+            from .algorithms.hier import Hier
+
+            self._hier = Hier(self)
+        return self._hier
 
     def _inbox(self, peer: int) -> CollInbox:
         box = self._inboxes.get(peer)
@@ -415,7 +479,8 @@ class Communicator:
         if ch is None:
             if peer in self._local_index:
                 assert self._seg is not None
-                ch = _ShmChannel(self._seg, self._me_local, self._local_index[peer], peer)
+                ch = _ShmChannel(self._seg, self._me_local, self._local_index[peer], peer,
+                                 self._cfg.cma_min_size)
             else:
                 ch = _TcpChannel(self, peer)
             self._chan_cache[peer] = ch
@@ -434,23 +499,9 @@ class Communicator:
         self._p2p.peer_failed(peer, exc)
 
     def _check_alive(self) -> None:
-        """Called by waits between sleeps: fail fast if closed or a local peer died."""
-        if self._closed:
-            raise ClosedError(f"rank {self.rank}: the communicator was closed")
-        now = time.monotonic()
-        if self._seg is None or now < self._next_liveness:
-            return
-        self._next_liveness = now + LIVENESS_PERIOD_S
-        ctl = self._seg.ctl
-        for i, r in enumerate(self._local_ranks):
-            if r == self.rank or ctl[i, shm.W_CLOSED]:
-                continue
-            pid = int(ctl[i, shm.W_PID])
-            if pid and not _pid_alive(pid):
-                exc = PeerFailedError(f"rank {self.rank}: rank {r} (pid {pid}) died without "
-                                      "closing its communicator", r)
-                self._lost.setdefault(r, exc)
-                raise exc
+        """Called by waits between sleeps: fail fast if closed, a local peer died, or
+        another rank published an abort notice (see plait.health)."""
+        self._health.check()
 
     # -- public helpers -------------------------------------------------------------------
 
@@ -483,6 +534,11 @@ class Communicator:
             self._check_usable(name)
             self._seq += 1
             seq = self._seq
+            # flight recorder: no lock of its own, no formatting (see plait.flightrec)
+            self._rec.slots[seq & self._rec.mask] = [
+                seq, name, self._op_nbytes, self._op_dtype, self._op_algo, time.monotonic(),
+                0.0, 0.0, None]
+            self._op_dtype = None
             if not async_op and not self._busy and not self._queue:
                 self._busy = True
                 work = None
@@ -511,13 +567,27 @@ class Communicator:
     def _execute(self, name: str, seq: int, fn: Callable[[OpCtx], None]) -> None:
         if self._broken is not None:
             self._check_usable(name)
-        ctx = OpCtx(self, name, seq, time.monotonic() + self.timeout)
+        t0 = time.monotonic()
+        ctx = OpCtx(self, name, seq, t0 + self.timeout)
+        self._cur_ctx = ctx
+        slot = self._rec.slots[seq & self._rec.mask]
+        slot[STARTED] = t0  # type: ignore[index]
+        mine = self._my_ctl
+        if mine is not None:
+            mine[shm.W_OP_SEQ] = seq
         try:
             fn(ctx)
-        except (PlaitError, OSError) as exc:
-            if not isinstance(exc, ClosedError):
+        except BaseException as exc:
+            slot[ERROR] = f"{type(exc).__name__}: {exc}"  # type: ignore[index]
+            if isinstance(exc, (PlaitError, OSError)) and not isinstance(exc, ClosedError):
                 self._broken = exc
+                self._health.on_failure(exc)
             raise
+        slot[ENDED] = time.monotonic()  # type: ignore[index]
+        if mine is not None:
+            mine[shm.W_OP_DONE] = seq
+        if self._health.status_seq == seq:  # it said "waiting" in the store: now done
+            self._health.done(name, seq)
 
     def _progress_loop(self) -> None:
         while True:
@@ -548,7 +618,9 @@ class Communicator:
         return int(r)
 
     def _buf(self, obj: Any, op: str, arg: str, writable: bool = False) -> Buf:
-        return as_buf(obj, rank=self.rank, op=op, arg=arg, writable=writable)
+        b = as_buf(obj, rank=self.rank, op=op, arg=arg, writable=writable)
+        self._op_dtype = b.dtype  # for the flight recorder
+        return b
 
     def _reducer(self, op: Any, b: Buf, name: str) -> tuple[ReduceOp, Reducer]:
         try:
@@ -585,6 +657,8 @@ class Communicator:
             if len(self._sel_cache) > 4096:
                 self._sel_cache.clear()
             self._sel_cache[key] = algo
+        self._op_nbytes = nbytes  # for the flight recorder
+        self._op_algo = algo
         return algo
 
     def _run(self, ctx: OpCtx, sched: Schedule, inbuf: np.ndarray | None,
@@ -605,6 +679,12 @@ class Communicator:
             if algo == "direct":
                 assert self._board is not None
                 direct.allreduce(self._board, ctx, arr, reducer)
+            elif algo == "hier":
+                self._hierarchy().allreduce(b, rop)
+            elif algo == "ring" and self._ring != tuple(range(n)):
+                # the ring follows the topology: ranks of a host, hosts of a switch adjacent
+                self._run(ctx, ring_allreduce(self.rank, n, b.count, self._ring), arr, arr,
+                          reducer, arr.dtype)
             elif n > 1:
                 mod = allreduce_ring if algo == "ring" else allreduce_rd
                 self._run(ctx, mod.schedule(self.rank, n, b.count), arr, arr, reducer,
@@ -646,6 +726,8 @@ class Communicator:
             if algo == "direct":
                 assert self._board is not None
                 direct.broadcast(self._board, ctx, arr, root)
+            elif algo == "hier":
+                self._hierarchy().broadcast(b, root)
             elif self.size > 1:
                 if algo == "chain":
                     pieces = max(1, b.nbytes // max(self._cfg.shm_chunk_size, 1 << 18))
@@ -689,6 +771,9 @@ class Communicator:
             if algo == "direct":
                 assert self._board is not None
                 direct.allgatherv(self._board, ctx, sarr, rarr, cnt)
+                return
+            if algo == "hier":
+                self._hierarchy().allgatherv(s, r, cnt)
                 return
             if algo == "bruck":
                 sched = allgather_bruck.schedule(self.rank, self.size, cnt)
@@ -768,6 +853,8 @@ class Communicator:
             if algo == "direct":
                 assert self._board is not None
                 direct.reduce_scatter(self._board, ctx, sarr, rarr, reducer)
+            elif algo == "hier":
+                self._hierarchy().reduce_scatter(s, r, rop)
             else:
                 sched = reduce_scatter_ring.schedule(self.rank, self.size,
                                                      (r.count,) * self.size)
@@ -814,6 +901,8 @@ class Communicator:
             if algo == "direct":
                 assert self._board is not None
                 direct.alltoall(self._board, ctx, sarr, rarr)
+            elif algo == "hier":
+                self._hierarchy().alltoallv(s, sc, r, rc, uniform=name == "alltoall")
             else:
                 sched = alltoall_pairwise.schedule(self.rank, self.size, sc, rc)
                 self._run(ctx, sched, sarr, rarr, None, rarr.dtype)
@@ -955,12 +1044,28 @@ class Communicator:
         prefix = f"{self._prefix}/split{self._split_seq}/c{color}"
         return Communicator(rank=ranks.index(self.rank), size=len(ranks), store=self._store,
                             prefix=prefix, timeout=self.timeout, cfg=self._cfg, job=self._job,
-                            secret=self._secret)
+                            secret=self._secret, host_local_rank=self._host_local_rank)
 
     # -- closing --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Free this rank's resources (local). Later calls raise ClosedError."""
+        """Free this rank's resources (local). Later calls raise ClosedError. Closing
+        while collectives are queued or running aborts them (see ``abort``)."""
+        self._stop(aborted=False)
+
+    def abort(self) -> None:
+        """Stop at once: this rank's pending operations fail with ClosedError, every other
+        rank waiting in an operation of this communicator fails with PeerFailedError
+        naming this rank (within about 0.5 s), and resources are released as by close()."""
+        self._stop(aborted=True)
+
+    def flight_record(self) -> list[dict[str, Any]]:
+        """The flight recorder's view of the last collectives, oldest first: seq, op,
+        bytes, dtype, algorithm, state (queued/running/done/failed), wall-clock issued/
+        started/ended times, duration_us, error (see plait.flightrec)."""
+        return self._rec.records()
+
+    def _stop(self, aborted: bool) -> None:
         with self._cv:
             if self._closed:
                 return
@@ -968,15 +1073,28 @@ class Communicator:
             self._cv.notify_all()
             pending = list(self._queue)
             self._queue.clear()
-        exc = ClosedError(f"rank {self.rank}: the communicator was closed")
+            running = self._busy
+        what = "aborted" if aborted else "closed"
+        if aborted or pending or running:
+            self._health.publish(self.rank, f"rank {self.rank} {what} its communicator with "
+                                 f"{len(pending) + running} collective(s) pending", "aborted")
+        exc = ClosedError(f"rank {self.rank}: the communicator was {what}")
         for _, _, _, work in pending:
             work._fail(exc)
+        self._bell.ring()  # a waiting operation sees _closed at once
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
+        end = time.monotonic() + 5  # a synchronous operation on another thread: let it
+        while self._busy and time.monotonic() < end \
+                and self._thread is not threading.current_thread():  # leave the segment first
+            time.sleep(0.002)
         self._p2p.fail_all(exc)
         self._teardown()
 
     def _teardown(self) -> None:
+        if self._hier is not None:
+            hier, self._hier = self._hier, None
+            hier.close()
         for q in list(self._send_queues.values()):
             q.close()
         if self._drainer is not None:
@@ -997,7 +1115,13 @@ class Communicator:
             self._seg = None
             self._bell = self._p2p_bell = private_bell()
             self._waiter = Waiter(self._bell, 0.0, self._check_alive)
+            self._my_ctl = None
             if not seg.close():
+                # A failed operation's traceback (kept by _broken, or by the caller who
+                # caught it) holds the frames' views into the segment: drop their locals.
+                for exc in (self._broken, self._health.failure):
+                    if exc is not None and exc.__traceback__ is not None:
+                        traceback.clear_frames(exc.__traceback__)
                 gc.collect()
                 seg.close()
         self._owned_store = None

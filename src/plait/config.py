@@ -65,12 +65,19 @@ class Config:
     """Bytes per chunk of a shared-memory pair ring."""
     shm_ring_chunks: int = 8
     """Chunks per shared-memory pair ring."""
+    cma_min_size: int = 256 << 10
+    """Shared-memory messages of at least this many bytes are read straight from the
+    sender's memory (process_vm_readv: one copy instead of two); 0 turns this off."""
     tcp_chunk_size: int = 1 << 20
     """Largest TCP frame payload; large messages are cut into frames of this size."""
     spin_us: float = -1.0
     """Microseconds to spin before blocking; negative picks by cores and local ranks."""
     socket_ifname: str = ""
     """Comma-separated network interfaces for TCP (as NCCL_SOCKET_IFNAME)."""
+    topo_file: str = ""
+    """Topology file (JSON or TOML): hosts, rails, switches, link classes (docs/TOPOLOGY.md)."""
+    nsocks: int = 4
+    """TCP sockets per peer connection; large messages are striped over them dynamically."""
     secret: str = ""
     """Per-job secret for connection authentication (else generated and shared by the store)."""
     secret_file: str = ""
@@ -79,6 +86,10 @@ class Config:
     """``check``: compare op, dtype, count, root and reduce op across ranks before collectives."""
     log_level: str = ""
     """Log level of the ``plait`` logger (DEBUG shows every algorithm decision)."""
+    flight_recorder_entries: int = 1024
+    """Collectives kept per communicator by the flight recorder (rounded up to a power of 2)."""
+    flight_recorder_dir: str = ""
+    """Directory where a rank writes its flight record (JSON) on a timeout or a failure."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -115,6 +126,8 @@ class Config:
             v = getattr(self, name)
             if v < 64 or v % 64:
                 raise ValueError(f"PLAIT_{name.upper()}={v}: must be a multiple of 64, at least 64")
+        if not 1 <= self.nsocks <= 64:
+            raise ValueError(f"PLAIT_NSOCKS={self.nsocks}: expected 1 to 64")
         if self.shm_ring_chunks < 2:
             raise ValueError(f"PLAIT_SHM_RING_CHUNKS={self.shm_ring_chunks}: at least 2")
         if self.debug not in ("", "check"):

@@ -42,9 +42,10 @@ class OpCtx:
         return f"rank {self.comm.rank}, {self.name} #{self.seq}"
 
     def timeout_error(self, waiting_for: str) -> CommTimeoutError:
-        return CommTimeoutError(
-            f"{self.where}: timed out after {self.comm.timeout:g} s waiting for "
-            f"{waiting_for}")
+        """The error, with where every rank is (plait.health) and the flight record logged."""
+        return self.comm._health.timeout_error(
+            self, f"{self.where}: timed out after {self.comm.timeout:g} s waiting for "
+                  f"{waiting_for}")
 
 
 class Waiter:

@@ -70,6 +70,12 @@ class Engine:
         self.inflight: dict[tuple[int, int], Msg] = {}
         self.failed: dict[int, BaseException] = {}
         self._local_seq = 0
+        # Messages open (are matched to receives) in sequence order per source: on a
+        # multi-socket connection a later message's frame can arrive before an earlier
+        # message's first frame. next_open[src] is the next sequence number to open;
+        # early[src][seq] holds messages seen before their turn, in buffers of their own.
+        self.next_open: dict[int, int] = {}
+        self.early: dict[int, dict[int, Msg]] = {}
 
     # -- receiving side -------------------------------------------------------------------
 
@@ -110,21 +116,30 @@ class Engine:
     def on_frame(self, src: int, f: wire.Frame, read_into: ReadInto) -> None:
         """Called by a reader/drainer with ``f.length`` payload bytes still to read."""
         key = (src, f.seq)
+        finish: list[Msg] = []
         with self.lock:
             m = self.inflight.get(key)
             if m is None:
                 m = Msg(src, f.tag, f.total)
-                for i, req in enumerate(self.posted):
-                    if req.tag == f.tag and (req.src is None or req.src == src):
-                        del self.posted[i]
-                        m.claimed = req
-                        break
+                nxt = self.next_open.get(src, 0)
+                if f.seq == nxt:
+                    self._open_locked(m)
+                    nxt += 1
+                    early = self.early.get(src)
+                    while early and nxt in early:  # later messages that arrived first
+                        e = early.pop(nxt)
+                        self._open_locked(e)
+                        if e.complete and e.claimed is not None:
+                            finish.append(e)
+                        nxt += 1
+                    self.next_open[src] = nxt
                 else:
-                    self.unexpected.append(m)
-                if m.claimed is None or m.claimed.n != f.total:
                     m.buf = np.empty(f.total, dtype=np.uint8)
+                    self.early.setdefault(src, {})[f.seq] = m
                 self.inflight[key] = m
             target = m.buf if m.buf is not None else m.claimed.dst  # type: ignore[union-attr]
+        for e in finish:
+            self._finish_claimed(e)
         if f.length:
             read_into(target[f.offset:f.offset + f.length])
         with self.lock:
@@ -137,11 +152,24 @@ class Engine:
         if claimed is not None:
             self._finish_claimed(m)
 
+    def _open_locked(self, m: Msg) -> None:
+        """Match a message whose turn has come to the first posted receive that fits, else
+        queue it as unexpected."""
+        for i, req in enumerate(self.posted):
+            if req.tag == m.tag and (req.src is None or req.src == m.src):
+                del self.posted[i]
+                m.claimed = req
+                break
+        else:
+            self.unexpected.append(m)
+        if m.buf is None and (m.claimed is None or m.claimed.n != m.total):
+            m.buf = np.empty(m.total, dtype=np.uint8)
+
     def deliver_local(self, tag: int, data: np.ndarray) -> None:
         """A message from this rank to itself."""
         with self.lock:
+            seq = self._local_seq  # from 0, like every sender's sequence numbers
             self._local_seq += 1
-            seq = self._local_seq
         f = wire.Frame(wire.KIND_P2P, tag, seq, 0, len(data), len(data))
 
         def read(dst: np.ndarray) -> None:

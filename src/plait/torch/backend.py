@@ -263,6 +263,9 @@ class ProcessGroupPlait(dist.ProcessGroup):  # type: ignore[misc]
         self._closed = False
         self._check: CollectiveCheck | None = None
         if Config.from_env().debug == "check":
+            from plait import check
+
+            check.uninstall(self._comm)  # this backend checks with torch's op names
             self._check = CollectiveCheck(self._comm, lambda: self._group_name)
 
     # -- identity (without a group name, FSDP2 / DeviceMesh / funcol fail) ------------

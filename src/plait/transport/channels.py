@@ -12,6 +12,7 @@ anything; ``done`` says whether it has finished.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from typing import Any
@@ -20,7 +21,7 @@ import numpy as np
 
 from ..errors import MismatchError, PeerFailedError
 from ..reduce import Reducer
-from . import wire
+from . import cma, wire
 from .futex import Bell
 from .shm import RING_CTL_WORDS, SLOT_HDR, Segment
 from .tcp import Outbound, recv_exact_into
@@ -52,23 +53,54 @@ class ShmRing:
         data = seg.rings[kind, pidx]
         self.hdr = memoryview(data[:, :SLOT_HDR].view(np.int64))  # per slot: seq, idx, n, chunk
         self.payload = data[:, SLOT_HDR:]
+        # a single-copy descriptor in place of payload: (pid, address) of the sender's data
+        self.desc = memoryview(data[:, SLOT_HDR:SLOT_HDR + 16].view(np.int64))
         self.nslots = lay.ring_chunks
         self.chunk = lay.chunk_size
         assert RING_CTL_WORDS >= 16
 
 
+CMA_MARK = -1  # chunk index of a slot that carries a single-copy descriptor
+CMA_PIECE = 1 << 20  # bytes read per process_vm_readv when reducing (stays in cache)
+
+
 class ShmSend(Req):
-    __slots__ = ("bell", "i", "idx", "n", "nchunks", "ring", "seq", "src")
+    __slots__ = ("bell", "cma", "cma_end", "i", "idx", "n", "nchunks", "ring", "seq", "src")
 
     def __init__(self, peer: int, ring: ShmRing, src: np.ndarray, seq: int, idx: int,
-                 bell: Bell) -> None:
+                 bell: Bell, cma: bool = False) -> None:
         super().__init__(peer)
         self.ring, self.src, self.seq, self.idx, self.bell = ring, src, seq, idx, bell
         self.n = len(src)
         self.nchunks = max(1, -(-self.n // ring.chunk))
         self.i = 0
+        self.cma = cma
+        self.cma_end = -1
+
+    def _progress_cma(self) -> bool:
+        """Post one descriptor; done once the receiver has read our buffer (tail passes)."""
+        r = self.ring
+        ctl = r.ctl
+        if self.cma_end >= 0:
+            if ctl[8] >= self.cma_end:
+                self.done = True
+                return True
+            return False
+        head = ctl[0]
+        if head - ctl[8] >= r.nslots:
+            return False
+        s = head % r.nslots
+        h = r.hdr
+        h[s, 0], h[s, 1], h[s, 2], h[s, 3] = self.seq, self.idx, self.n, CMA_MARK
+        r.desc[s, 0], r.desc[s, 1] = os.getpid(), self.src.ctypes.data
+        self.cma_end = head + 1
+        ctl[0] = head + 1
+        self.bell.ring()
+        return True
 
     def progress(self) -> bool:
+        if self.cma:
+            return self._progress_cma()
         r = self.ring
         ctl = r.ctl
         head = int(ctl[0])
@@ -122,6 +154,12 @@ class ShmRecv(Req):
         while avail > 0 and self.i < self.nchunks:
             s = tail % r.nslots
             h = r.hdr
+            if h[s, 3] == CMA_MARK and self.i == 0 and h[s, 0] == self.seq \
+                    and h[s, 1] == self.idx and h[s, 2] == self.n:
+                self._read_cma(r.desc[s, 0], r.desc[s, 1])
+                self.i = self.nchunks
+                ctl[8] = tail + 1
+                break
             if h[s, 0] != self.seq or h[s, 1] != self.idx or h[s, 2] != self.n \
                     or h[s, 3] != self.i:
                 raise MismatchError(
@@ -145,6 +183,20 @@ class ShmRecv(Req):
         if self.i >= self.nchunks:
             self.done = True
         return True
+
+    def _read_cma(self, pid: int, addr: int) -> None:
+        if self.reducer is None:
+            cma.read(pid, addr, self.dst.ctypes.data, self.n)
+            return
+        piece = min(self.n, CMA_PIECE)
+        scratch = np.empty(piece, dtype=np.uint8)
+        typed = scratch.view(self.storage)
+        for off in range(0, self.n, piece):
+            m = min(piece, self.n - off)
+            cma.read(pid, addr + off, scratch.ctypes.data, m)
+            e0 = off // self.itemsize
+            k = m // self.itemsize
+            self.reducer(self.typed[e0:e0 + k], typed[:k])
 
 
 # -- TCP ----------------------------------------------------------------------------------
@@ -236,7 +288,8 @@ class CollInbox:
         self.posted: dict[tuple[int, int], TcpRecv] = {}
         self.unexpected: dict[tuple[int, int], list[tuple[wire.Frame, np.ndarray]]] = {}
         self.failed: BaseException | None = None
-        self._scratch = np.empty(0, dtype=np.uint8)
+        # per reader thread: with several sockets per peer, readers deliver concurrently
+        self._scratch = threading.local()
 
     def post(self, req: TcpRecv) -> None:
         with self.lock:
@@ -290,9 +343,10 @@ class CollInbox:
         self.bell.ring()
 
     def _scratch_for(self, n: int) -> np.ndarray:
-        if len(self._scratch) < n:
-            self._scratch = np.empty(n, dtype=np.uint8)
-        return self._scratch[:n]
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or len(buf) < n:
+            buf = self._scratch.buf = np.empty(n, dtype=np.uint8)
+        return buf[:n]
 
     def fail(self, exc: BaseException) -> None:
         with self.lock:

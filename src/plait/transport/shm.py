@@ -44,6 +44,12 @@ W_DONE = 3  # direct algorithms: last sequence number whose slots this rank has 
 W_ATTACHED = 4
 W_CLOSED = 5  # set when the rank closes or aborts its communicator
 W_PID = 6
+W_NONCE = 16  # random, written at attach: peers read it through CMA to trust our addresses
+W_NONCE_ADDR = 17  # where W_NONCE lives in this rank's own address space
+W_CMA_FROM = 18  # bit i set: this rank has verified it can read local rank i's memory
+W_ABORT = 7  # abort notice: 1 + the lost rank, or negative (see plait.health)
+W_OP_SEQ = 8  # sequence number of the last collective this rank started
+W_OP_DONE = 9  # ... and of the last one it finished (diagnosis of timeouts)
 
 KIND_COLL = 0
 KIND_P2P = 1
@@ -158,9 +164,16 @@ def create(name: str, layout: Layout, me: int) -> Segment:
         raise
     os.close(fd)
     seg = Segment(mm, layout, me)
-    seg.ctl[me, W_ATTACHED] = 1
-    seg.ctl[me, W_PID] = os.getpid()
+    _stamp(seg, me)
     return seg
+
+
+def _stamp(seg: Segment, me: int) -> None:
+    row = seg.ctl[me]
+    row[W_PID] = os.getpid()
+    row[W_NONCE] = int.from_bytes(os.urandom(7), "little") | 1
+    row[W_NONCE_ADDR] = row[W_NONCE:].ctypes.data
+    row[W_ATTACHED] = 1
 
 
 def attach(name: str, layout: Layout, me: int, deadline: float) -> Segment:
@@ -186,8 +199,7 @@ def attach(name: str, layout: Layout, me: int, deadline: float) -> Segment:
         mm.close()
         raise PlaitError(f"shared-memory segment {path} is not a plait segment")
     seg = Segment(mm, layout, me)
-    seg.ctl[me, W_PID] = os.getpid()
-    seg.ctl[me, W_ATTACHED] = 1
+    _stamp(seg, me)
     return seg
 
 

@@ -82,6 +82,7 @@ class Outbound:
         self.lock = threading.Lock()
         self.p2p_seq = 0
         self.broken: BaseException | None = None
+        self.striper: Any = None  # streams.Striper when the connection has several sockets
 
     def send_frame(self, kind: int, tag: int, seq: int, offset: int, payload: np.ndarray,
                    total: int) -> None:
@@ -100,8 +101,12 @@ class Outbound:
                 raise self.broken from exc
 
     def send_message(self, kind: int, tag: int, seq: int, payload: np.ndarray) -> None:
-        """All frames of one message, under the lock, so they stay contiguous."""
+        """All frames of one message, under the lock, so they stay contiguous (or, when
+        larger than a frame on a multi-socket connection, striped over its sockets)."""
         total = len(payload)
+        if self.striper is not None and total > self.max_frame:
+            self.striper.send_message(kind, tag, seq, payload)
+            return
         step = self.max_frame
         off = 0
         while True:
@@ -112,6 +117,8 @@ class Outbound:
                 return
 
     def close(self) -> None:
+        if self.striper is not None:
+            self.striper.close()
         with self.lock:
             try:
                 if self.broken is None:
@@ -127,8 +134,13 @@ class TcpHub:
 
     def __init__(self, *, rank: int, job: bytes, comm_uid: bytes, secret: bytes,
                  bind_host: str, max_frame: int, on_frame: FrameHandler,
-                 on_peer_lost: Callable[[int, BaseException | None], None]) -> None:
+                 on_peer_lost: Callable[[int, BaseException | None], None],
+                 nsocks: int = 1, bind_source: bool = False) -> None:
         self.rank = rank
+        # nsocks: sockets per outgoing connection (streams.Striper); bind_source: bind
+        # outgoing sockets to bind_host, so traffic leaves from this rank's rail address
+        self.nsocks = nsocks
+        self.source = bind_host if bind_source else None
         self.job = job
         self.comm_uid = comm_uid
         self.secret = secret
@@ -225,17 +237,32 @@ class TcpHub:
                 return out
             sock = self._dial(peer, address, deadline)
             out = Outbound(sock, peer, self.max_frame)
+            if self.nsocks > 1:
+                from .streams import Striper
+
+                extra = []
+                try:
+                    for stream in range(1, self.nsocks):
+                        extra.append(self._dial(peer, address, deadline, stream))
+                except BaseException:
+                    for s in [sock, *extra]:
+                        s.close()
+                    raise
+                out.striper = Striper(out, extra, self.rank)
             self.outbound[peer] = out
             return out
 
-    def _dial(self, peer: int, address: tuple[str, int], deadline: float) -> socket.socket:
+    def _dial(self, peer: int, address: tuple[str, int], deadline: float,
+              stream: int = 0) -> socket.socket:
         delay = 0.01
         while True:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
                 sock.settimeout(max(0.1, min(HANDSHAKE_TIMEOUT_S, deadline - time.monotonic())))
+                if self.source is not None:
+                    sock.bind((self.source, 0))  # leave from this rank's rail
                 sock.connect(address)
-                hello = wire.Hello(wire.VERSION, 0, self.job, self.comm_uid, self.rank, peer,
+                hello = wire.Hello(wire.VERSION, stream, self.job, self.comm_uid, self.rank, peer,
                                    os.urandom(16)).pack()
                 sock.sendall(hello)
                 resp = wire.check_challenge(self.secret, hello,

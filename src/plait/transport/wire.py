@@ -50,6 +50,7 @@ class Hello:
 
     @classmethod
     def unpack(cls, data: bytes) -> Hello:
+        _expect_size(data, HELLO_SIZE, "hello")
         magic, ver, stream, job, comm, src, dst, nonce = _HELLO.unpack(data)
         if magic != HELLO_MAGIC:
             raise TransportError("handshake: not a plait connection (bad magic)")
@@ -64,6 +65,12 @@ CHALLENGE_SIZE = _CHALLENGE.size
 RESPONSE_SIZE = _RESPONSE.size
 
 
+def _expect_size(data: bytes, size: int, what: str) -> None:
+    # parsers raise TransportError only, whatever the input (fuzzed in test_reliability)
+    if len(data) != size:
+        raise TransportError(f"handshake: {what} of {len(data)} bytes, expected {size}")
+
+
 def mac(secret: bytes, role: bytes, hello: bytes, nonce: bytes) -> bytes:
     return hmac.new(secret, role + hello + nonce, hashlib.sha256).digest()
 
@@ -74,6 +81,7 @@ def pack_challenge(secret: bytes, hello: bytes, nonce: bytes) -> bytes:
 
 def check_challenge(secret: bytes, hello: bytes, data: bytes) -> bytes:
     """Verify the acceptor's proof; return the response that proves ours."""
+    _expect_size(data, CHALLENGE_SIZE, "challenge")
     magic, nonce, proof = _CHALLENGE.unpack(data)
     if magic != HELLO_MAGIC or not hmac.compare_digest(proof, mac(secret, b"S", hello, nonce)):
         raise TransportError("handshake: the acceptor failed authentication (wrong job "
@@ -82,6 +90,7 @@ def check_challenge(secret: bytes, hello: bytes, data: bytes) -> bytes:
 
 
 def check_response(secret: bytes, hello: bytes, nonce: bytes, data: bytes) -> None:
+    _expect_size(data, RESPONSE_SIZE, "response")
     (proof,) = _RESPONSE.unpack(data)
     if not hmac.compare_digest(proof, mac(secret, b"C", hello, nonce)):
         raise TransportError("handshake: the connector failed authentication")

@@ -12,13 +12,21 @@ on one host and the data in a slot); the first applicable override wins, then th
 rule. If overrides name an operation but none of their algorithms can run, the error says
 so. Every decision is logged at DEBUG level on logger ``plait.select``.
 
+``hier`` (hierarchical, rail-aligned: algorithms/hier.py) can run when the communicator
+spans two or more hosts with the same number (two or more) of ranks each. In the defaults
+it is a candidate, not a verdict: where it can run, the cost model (tuning/cost.py)
+predicts it and the flat algorithm the remaining default rules pick, and the faster one
+wins; the log line gives both estimates. A ``hier`` override is taken as it stands.
+``choose`` returns the whole decision (algorithm, source, estimates) for tools such as
+``plait bench``.
+
 Algorithms (OP: names):
-  allreduce: direct, rd (recursive doubling), ring
-  broadcast: direct, tree (binomial), chain (pipelined)
+  allreduce: direct, rd (recursive doubling), ring, hier
+  broadcast: direct, tree (binomial), chain (pipelined), hier
   reduce: direct, tree
-  allgather (also allgatherv): direct, bruck, ring
-  reduce_scatter: direct, ring
-  alltoall (also alltoallv; direct only for alltoall): direct, pairwise
+  allgather (also allgatherv): direct, bruck, ring, hier
+  reduce_scatter: direct, ring, hier
+  alltoall (also alltoallv; direct only for alltoall): direct, pairwise, hier
   gather, scatter: direct, linear
   barrier: direct, dissemination
 """
@@ -26,20 +34,22 @@ Algorithms (OP: names):
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 from ..config import parse_size
+from . import cost
 
 log = logging.getLogger("plait.select")
 
 ALGORITHMS: dict[str, tuple[str, ...]] = {
-    "allreduce": ("direct", "rd", "ring"),
-    "broadcast": ("direct", "tree", "chain"),
+    "allreduce": ("direct", "rd", "ring", "hier"),
+    "broadcast": ("direct", "tree", "chain", "hier"),
     "reduce": ("direct", "tree"),
-    "allgather": ("direct", "bruck", "ring"),
-    "reduce_scatter": ("direct", "ring"),
-    "alltoall": ("direct", "pairwise"),
+    "allgather": ("direct", "bruck", "ring", "hier"),
+    "reduce_scatter": ("direct", "ring", "hier"),
+    "alltoall": ("direct", "pairwise", "hier"),
     "gather": ("direct", "linear"),
     "scatter": ("direct", "linear"),
     "barrier": ("direct", "dissemination"),
@@ -47,12 +57,12 @@ ALGORITHMS: dict[str, tuple[str, ...]] = {
 
 # The defaults, in the same grammar. "direct" is first wherever it applies.
 DEFAULTS = (
-    "allreduce:direct,0-64K:rd,ring;"
-    "broadcast:direct,0-256K:tree,chain;"
+    "allreduce:direct,hier,0-64K:rd,ring;"
+    "broadcast:direct,hier,0-256K:tree,chain;"
     "reduce:direct,tree;"
-    "allgather:direct,0-64K:bruck,ring;"
-    "reduce_scatter:direct,ring;"
-    "alltoall:direct,pairwise;"
+    "allgather:direct,hier,0-64K:bruck,ring;"
+    "reduce_scatter:direct,hier,ring;"
+    "alltoall:direct,hier,pairwise;"
     "gather:direct,linear;"
     "scatter:direct,linear;"
     "barrier:direct,dissemination"
@@ -77,6 +87,27 @@ class Situation:
     all_local: bool
     any_tcp: bool
     slot_size: int
+    hosts: int = 1
+    local_size: int = 0  # ranks per host when equal on every host, else 0
+    rails: int = 1
+    switches: int = 1
+    model: cost.Model = field(default_factory=cost.Model)
+
+    @property
+    def shape(self) -> cost.Shape:
+        local = self.local_size or max(1, self.size // max(1, self.hosts))
+        return cost.Shape(self.hosts, local, self.rails, self.switches)
+
+
+def situation(size: int, all_local: bool, any_tcp: bool, slot_size: int, topo: Any,
+              shm_possible: bool = True) -> Situation:
+    """A communicator's Situation, from its topology (identical on every rank)."""
+    if topo is None:
+        return Situation(size, all_local, any_tcp, slot_size)
+    return Situation(size, all_local, any_tcp, slot_size, hosts=len(topo.hosts),
+                     local_size=topo.local_size() if shm_possible else 0,
+                     rails=max(1, topo.rails()), switches=max(1, len(topo.switches())),
+                     model=cost.Model.from_topology(topo))
 
 
 def parse(spec: str) -> dict[str, tuple[Rule, ...]]:
@@ -115,27 +146,100 @@ _DEFAULT_TABLE = parse(DEFAULTS)
 def feasible(algo: str, nbytes_per_rank: int, sit: Situation) -> bool:
     if algo == "direct":
         return sit.all_local and sit.size > 1 and nbytes_per_rank <= sit.slot_size
+    if algo == "hier":
+        return sit.hosts >= 2 and sit.local_size >= 2
     return True
 
 
-@lru_cache(maxsize=4096)
+def without(spec: str, algo: str) -> str:
+    """``spec`` with every rule naming ``algo`` removed (sub-communicators of a
+    hierarchical operation must not inherit a ``hier`` override)."""
+    if not spec:
+        return spec
+    table = parse(spec)
+    parts = []
+    for op, rules in table.items():
+        kept = [(f"{r.lo}-{'' if r.hi is None else r.hi}:" if (r.lo or r.hi is not None)
+                 else "") + r.algo for r in rules if r.algo != algo]
+        if kept:
+            parts.append(f"{op}:{','.join(kept)}")
+    return ";".join(parts)
+
+
+@dataclass(frozen=True)
+class Decision:
+    algo: str
+    source: str  # "PLAIT_ALGO" or "default"
+    estimate: float | None  # predicted seconds, where the model was asked
+    estimates: tuple[tuple[str, float], ...] = ()  # the candidates the model compared
+
+    def describe(self) -> str:
+        if not self.estimates:
+            return f"{self.algo} ({self.source})"
+        alts = ", ".join(f"{a} {_fmt_s(t)}" for a, t in self.estimates)
+        return f"{self.algo} ({self.source}; model: {alts})"
+
+
+def _fmt_s(t: float) -> str:
+    return f"{t * 1e6:.0f} us" if t < 1e-3 else f"{t * 1e3:.2f} ms" if t < 1 else f"{t:.2f} s"
+
+
+def _slot_bytes(op: str, nbytes: int, n: int) -> int:
+    return nbytes // max(1, n) if op in ("allgather", "allgatherv", "gather") else nbytes
+
+
+def estimate(op: str, algo: str, nbytes: int, sit: Situation) -> float:
+    """The model's prediction (seconds) for ``algo`` running ``op`` of ``nbytes`` here."""
+    if algo == "hier":
+        def phase(o: str, nb: int, sh: cost.Shape) -> str:
+            sub = Situation(sh.size, sh.hosts == 1, sh.hosts > 1, sit.slot_size, sh.hosts,
+                            sh.local, sh.rails, sh.switches, sit.model)
+            return choose(o, nb, sub, slot_bytes=_slot_bytes(o, nb, sh.size)).algo
+
+        return cost.hier_time(op, nbytes, sit.shape, sit.model, phase)
+    return cost.flat_time(op, algo, nbytes, sit.shape, sit.model)
+
+
 def select(op: str, nbytes: int, slot_bytes: int, sit: Situation, overrides: str = "") -> str:
     """The algorithm for ``op`` on a message of ``nbytes`` (its size as the rules read it)
     whose largest per-rank slot content is ``slot_bytes``."""
+    return choose(op, nbytes, sit, overrides, slot_bytes).algo
+
+
+@lru_cache(maxsize=4096)
+def choose(op: str, nbytes: int, sit: Situation, overrides: str = "",
+           slot_bytes: int | None = None) -> Decision:
+    """The whole decision for ``op`` of ``nbytes``: user overrides first (the first that
+    can run wins), then the defaults, where a feasible ``hier`` rule competes on predicted
+    time with the flat algorithm the following rules pick."""
+    if slot_bytes is None:
+        slot_bytes = _slot_bytes(op, nbytes, sit.size)
     key = "allgather" if op == "allgatherv" else "alltoall" if op == "alltoallv" else op
     user = parse(overrides).get(key, ()) if overrides else ()
     for rules, source in ((user, "PLAIT_ALGO"), (_DEFAULT_TABLE[key], "default")):
-        for rule in rules:
-            if not rule.covers(nbytes):
-                continue
-            if rule.algo == "direct" and op == "alltoallv":
-                continue
-            if feasible(rule.algo, slot_bytes, sit):
-                log.debug("%s %d B (size %d) -> %s (%s)", op, nbytes, sit.size, rule.algo, source)
-                return rule.algo
+        candidates = [r.algo for r in rules if r.covers(nbytes)
+                      and not (r.algo == "direct" and op == "alltoallv")
+                      and feasible(r.algo, slot_bytes, sit)]
+        if candidates:
+            algo = candidates[0]
+            d = Decision(algo, source, None)
+            if source == "default" and algo == "hier" and len(candidates) > 1:
+                flat = candidates[1]
+                try:
+                    est = ((algo, estimate(op, algo, nbytes, sit)),
+                           (flat, estimate(op, flat, nbytes, sit)))
+                except ValueError:  # no model for the flat one: keep the table's order
+                    est = ()
+                if est:
+                    best = min(est, key=lambda e: e[1])
+                    d = Decision(best[0], source, best[1], est)
+            log.debug("%s %d B (size %d) -> %s (%s)", op, nbytes, sit.size, d.algo,
+                      d.describe().partition("(")[2].rstrip(")"))
+            return d
         if rules and source == "PLAIT_ALGO" and any(r.covers(nbytes) for r in rules):
             raise ValueError(
                 f"PLAIT_ALGO={overrides!r} selects no algorithm that can run {op} of {nbytes} "
                 f"bytes here (direct needs every rank on one host and at most "
-                f"{sit.slot_size} bytes per rank)")
+                f"{sit.slot_size} bytes per rank; hier needs two or more hosts with the same "
+                f"number, two or more, of ranks each)")
     raise AssertionError(f"no default algorithm for {op}")
