@@ -494,6 +494,9 @@ class Communicator:
 
     def _on_peer_lost(self, peer: int, cause: BaseException | None) -> None:
         exc = peer_lost_error(self.rank, peer, cause)
+        # a peer that gave up because of another rank's failure closes its connections
+        # right after publishing the abort notice: name the rank that failed
+        exc = self._health.explain_loss(peer, exc)
         self._lost[peer] = exc
         self._inbox(peer).fail(exc)
         self._p2p.peer_failed(peer, exc)
@@ -730,9 +733,12 @@ class Communicator:
                 self._hierarchy().broadcast(b, root)
             elif self.size > 1:
                 if algo == "chain":
-                    pieces = max(1, b.nbytes // max(self._cfg.shm_chunk_size, 1 << 18))
+                    # Pieces pipeline the chain; each costs a step (a round trip), so keep
+                    # them large. Two ranks have nothing to pipeline: one message.
+                    piece = max(1 << 20, b.nbytes // 64)
+                    pieces = 1 if self.size == 2 else max(1, b.nbytes // piece)
                     sched = broadcast_chain.schedule(self.rank, self.size, b.count, root,
-                                                     min(pieces, 256))
+                                                     pieces)
                 else:
                     sched = broadcast_tree.schedule(self.rank, self.size, b.count, root)
                 self._run(ctx, sched, arr, arr, None, arr.dtype)
