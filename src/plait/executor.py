@@ -17,7 +17,7 @@ import numpy as np
 from .algorithms.schedule import IN, OUT, TMP, Copy, Recv, Reduce, Schedule, Send
 from .errors import CommTimeoutError
 from .reduce import Reducer
-from .transport.channels import Req
+from .transport.channels import Req, ShmRecv, ShmSend
 from .transport.futex import Bell
 
 if TYPE_CHECKING:
@@ -60,11 +60,14 @@ class Waiter:
         self.yield_cpu = yield_cpu
 
     def wait(self, ready: Callable[[], bool], ctx: OpCtx,
-             waiting_for: Callable[[], str]) -> None:
+             waiting_for: Callable[[], str], spin: bool = True) -> None:
+        """``spin=False`` when progress comes from a thread of this process (TCP readers):
+        spinning would hold the GIL that thread needs, for up to the interpreter's switch
+        interval (5 ms), so sleep on the bell at once; the reader rings it."""
         if ready():
             return
         now = time.monotonic()
-        spin_until = now + self.spin_s
+        spin_until = now + (self.spin_s if spin else 0.0)
         while True:
             if ready():
                 return
@@ -152,7 +155,8 @@ def wait_reqs(comm: Communicator, ctx: OpCtx, reqs: list[Req]) -> None:
             parts.append("rank " + ", ".join(map(str, sends)) + " to take data")
         return " and ".join(parts) or "nothing"
 
-    comm._waiter.wait(ready, ctx, waiting_for)
+    local_only = all(isinstance(r, (ShmSend, ShmRecv)) for r in reqs)
+    comm._waiter.wait(ready, ctx, waiting_for, spin=local_only)
 
 
 __all__ = ["IN", "OUT", "TMP", "OpCtx", "Reduce", "Waiter", "run", "wait_reqs"]
