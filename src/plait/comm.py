@@ -46,7 +46,7 @@ from .buffers import Buf, as_buf, expect_count, same_dtype
 from .config import Config, to_seconds
 from .errors import ClosedError, CommTimeoutError, PlaitError
 from .executor import OpCtx, Waiter, run
-from .flightrec import ENDED, ERROR, STARTED, FlightRecorder
+from .flightrec import ENDED, ERROR, ISSUED, STARTED, FlightRecorder
 from .health import Health
 from .reduce import ReduceOp, Reducer, divide
 from .rendezvous import host_identity, launcher_rank_size, store_from_env
@@ -339,6 +339,7 @@ class Communicator:
         self._op_algo = ""
         self._op_dtype: Any = None
         self._my_ctl: memoryview | None = None
+        self._peer_ids: list[tuple[str, int]] = []
         self._rec = FlightRecorder(cfg.flight_recorder_entries)
         self._health = Health(self)
         try:
@@ -365,6 +366,7 @@ class Communicator:
         infos = [json.loads(_get(self._store, f"{self._prefix}/info/{r}", self.timeout))
                  for r in range(self.size)]
         self._hosts = [i["host"] for i in infos]
+        self._peer_ids = [(i["host"], i["pid"]) for i in infos]  # plait.health: who is lost
         self.topology = topo_model.build(
             infos, topo_file.load(cfg.topo_file) if cfg.topo_file else None)
         self._ring = tuple(ring_order(self.topology))
@@ -538,14 +540,15 @@ class Communicator:
             self._seq += 1
             seq = self._seq
             # flight recorder: no lock of its own, no formatting (see plait.flightrec)
-            self._rec.slots[seq & self._rec.mask] = [
-                seq, name, self._op_nbytes, self._op_dtype, self._op_algo, time.monotonic(),
-                0.0, 0.0, None]
+            slot = [seq, name, self._op_nbytes, self._op_dtype, self._op_algo, 0.0, 0.0, 0.0,
+                    None]
+            self._rec.slots[seq & self._rec.mask] = slot
             self._op_dtype = None
             if not async_op and not self._busy and not self._queue:
                 self._busy = True
                 work = None
             else:
+                slot[ISSUED] = time.monotonic()  # a synchronous op is issued as it starts
                 work = Work()
                 self._queue.append((seq, name, fn, work))
                 if self._thread is None:
@@ -575,18 +578,20 @@ class Communicator:
         self._cur_ctx = ctx
         slot = self._rec.slots[seq & self._rec.mask]
         slot[STARTED] = t0  # type: ignore[index]
-        mine = self._my_ctl
-        if mine is not None:
-            mine[shm.W_OP_SEQ] = seq
         try:
             fn(ctx)
         except BaseException as exc:
-            slot[ERROR] = f"{type(exc).__name__}: {exc}"  # type: ignore[index]
-            if isinstance(exc, (PlaitError, OSError)) and not isinstance(exc, ClosedError):
-                self._broken = exc
-                self._health.on_failure(exc)
-            raise
+            # a peer failure raised by a sub-communicator names its ranks: name ours
+            err = self._health.adopt(exc, ctx)
+            slot[ERROR] = f"{type(err).__name__}: {err}"  # type: ignore[index]
+            if isinstance(err, (PlaitError, OSError)) and not isinstance(err, ClosedError):
+                self._broken = err
+                self._health.on_failure(err)
+            if err is exc:
+                raise
+            raise err from exc
         slot[ENDED] = time.monotonic()  # type: ignore[index]
+        mine = self._my_ctl  # for a peer's timeout report (W_OP_SEQ: see plait.health)
         if mine is not None:
             mine[shm.W_OP_DONE] = seq
         if self._health.status_seq == seq:  # it said "waiting" in the store: now done

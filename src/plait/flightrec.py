@@ -2,7 +2,8 @@
 
 Every collective is written into a preallocated ring of ``PLAIT_FLIGHT_RECORDER_ENTRIES``
 slots (rounded up to a power of two) when it is issued, and stamped when it starts and
-ends. The hot path does no formatting, takes no lock and allocates one small list: the
+ends (a synchronous operation is issued as it starts: one stamp). The hot path does no
+formatting, takes no lock and allocates one small list: the
 slot is ``[seq, op, bytes, dtype, algorithm, issued, started, ended, error]`` with
 ``time.monotonic()`` stamps, converted to wall-clock time only when the record is read
 (``Communicator.flight_record()``, a timeout, ``plait flightrec``). A reader racing the
@@ -53,7 +54,7 @@ class FlightRecorder:
         """Every recorded operation, oldest first, as plain dicts."""
         now_mono, now_wall = time.monotonic(), time.time()
 
-        def wall(t: float) -> float | None:
+        def wall(t: float) -> float | None:  # 0.0: not (yet) stamped
             return round(now_wall - (now_mono - t), 6) if t else None
 
         out = []
@@ -61,6 +62,7 @@ class FlightRecorder:
             if s is None:
                 continue
             seq, op, nbytes, dtype, algo, issued, started, ended, error = s
+            issued = issued or started  # synchronous ops are issued as they start
             if error is not None:
                 state = "failed"
             elif ended:

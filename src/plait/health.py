@@ -19,11 +19,11 @@ the store itself has gone (rank 0 hosts the TCPStore when plait makes it from
 MASTER_ADDR/MASTER_PORT), the store error is the failure.
 
 Diagnosis: a rank blocked for ``min(1 s, timeout / 4)`` in an operation publishes
-``<prefix>/status/<rank>`` (op, sequence number) in the store; local ranks also expose
-the sequence numbers of the last operation they started and finished in their control
-block. A rank that times out reads both and says where every rank is
-("rank 2 is idle after allreduce #41; ranks 0, 1, 3 are in allreduce #42"), logs its flight
-record at WARNING and writes it to ``PLAIT_FLIGHT_RECORDER_DIR`` if set.
+``<prefix>/status/<rank>`` (op, sequence number) in the store and ``W_OP_SEQ`` in its
+control block; every rank also writes the sequence number of each collective it finishes
+(``W_OP_DONE``, one store on the hot path). A rank that times out reads both and says
+where every rank is ("rank 2 is idle after allreduce #41; ranks 0, 1, 3 are in allreduce
+#42"), logs its flight record at WARNING and writes it to ``PLAIT_FLIGHT_RECORDER_DIR``.
 """
 
 from __future__ import annotations
@@ -83,6 +83,50 @@ class Health:
     def key(self) -> str:
         return f"{self.comm._prefix}/abort"
 
+    def _keys(self) -> list[tuple[str, bool]]:
+        """(abort key, is a parent's) to poll: this communicator's, and those of the
+        communicators whose hierarchical algorithms this one is part of (prefix
+        ``<parent>/hier/...``): they die with their parent."""
+        keys = [(self.key, False)]
+        prefix = self.comm._prefix
+        while "/hier/" in prefix:
+            prefix = prefix.rsplit("/hier/", 1)[0]
+            keys.append((f"{prefix}/abort", True))
+        return keys
+
+    def _my_rank(self, lost_id: Any) -> int | None:
+        ids = self.comm._peer_ids
+        if lost_id is None:
+            return None
+        t = (lost_id[0], lost_id[1])
+        return ids.index(t) if t in ids else None
+
+    def adopt(self, exc: BaseException, ctx: OpCtx) -> BaseException:
+        """``exc`` escaped an operation of this communicator: stamp a peer failure with the
+        lost process's identity, and if it names a sub-communicator's rank, return an error
+        naming this communicator's rank."""
+        if not isinstance(exc, PeerFailedError):
+            return exc
+        ids = self.comm._peer_ids
+        lost_id = getattr(exc, "lost_id", None)
+        if lost_id is None:  # raised by this communicator's own transports
+            if exc.peer is not None and 0 <= exc.peer < len(ids):
+                exc.lost_id = ids[exc.peer]  # type: ignore[attr-defined]
+            text = str(exc)
+            if text.startswith(ctx.where) or exc is self.failure:
+                return exc
+            # transport errors say "rank 2: connection from rank 1 was lost": add the op
+            text = text.removeprefix(f"rank {self.rank}: ")
+            err = PeerFailedError(f"{ctx.where}: {text}", exc.peer)
+            err.lost_id = getattr(exc, "lost_id", None)  # type: ignore[attr-defined]
+            return err
+        mine = self._my_rank(lost_id)
+        if mine is None or mine == exc.peer:
+            return exc
+        err = PeerFailedError(f"{ctx.where}: rank {mine} failed: {exc}", mine)
+        err.lost_id = lost_id  # type: ignore[attr-defined]
+        return err
+
     def _status_key(self, rank: int) -> str:
         return f"{self.comm._prefix}/status/{rank}"
 
@@ -113,6 +157,11 @@ class Health:
         ctx = c._cur_ctx
         if ctx is not None and self.status_seq != ctx.seq \
                 and now - (ctx.deadline - c.timeout) >= self.status_after:
+            # blocked for a while: say so, in the segment (W_OP_SEQ, read by local peers'
+            # timeout reports; written here rather than on the hot path) and in the store
+            mine = c._my_ctl
+            if mine is not None:
+                mine[shm.W_OP_SEQ] = ctx.seq
             self._publish_status(ctx.name, ctx.seq, "waiting")
 
     def _check_local_pids(self, seg: shm.Segment) -> None:
@@ -145,9 +194,12 @@ class Health:
         store = c._store
         if store is None:
             return
+        raw, parents = None, False
         try:
-            found = store.check([self.key])
-            raw = store.get(self.key) if found else None
+            for key, of_parent in self._keys():
+                if store.check([key]):
+                    raw, parents = store.get(key), of_parent
+                    break
         except Exception as exc:  # the store's host is gone: that is the failure
             host = 0 if c._owned_store is not None or c._store_host == 0 else None
             who = ("rank 0, which hosts it, has probably died" if host == 0 else
@@ -162,24 +214,50 @@ class Health:
             notice = json.loads(bytes(raw).decode())
         except (ValueError, UnicodeDecodeError):
             notice = {"by": None, "lost": None, "why": repr(bytes(raw)[:200])}
-        by, lost = notice.get("by"), notice.get("lost")
+        by, lost, lost_id = notice.get("by"), notice.get("lost"), notice.get("lost_id")
+        if parents:  # numbered in the parent: translate, and say so
+            lost = self._my_rank(lost_id)
+            if notice.get("what") == "aborted":
+                self._raise_notice(None, None, f"rank {by} of the parent communicator "
+                                   "aborted it", lost_id)
+            self._raise_notice(lost, None, f"the parent communicator failed: "
+                               f"{notice.get('why', '')}", lost_id)
         if notice.get("what") == "aborted":
-            self._raise_notice(by, by, "aborted its communicator")
-        self._raise_notice(lost, by, str(notice.get("why", "")))
+            self._raise_notice(by, by, "aborted its communicator", lost_id)
+        self._raise_notice(lost, by, str(notice.get("why", "")), lost_id)
 
-    def _raise_notice(self, lost: int | None, by: int | None, why: str) -> None:
+    def _raise_notice(self, lost: int | None, by: int | None, why: str,
+                      lost_id: Any = None) -> None:
         c = self.comm
-        if lost == by:
+        if by is None:
+            text = why
+        elif lost == by:
             text = f"rank {by} {why}"
         else:
             who = f"rank {lost}" if lost is not None else "a rank"
             text = f"{who} failed (reported by rank {by}{': ' + why if why else ''})"
         exc = PeerFailedError(f"{self._where()}: {text}", lost)
+        if lost_id is not None:
+            exc.lost_id = tuple(lost_id)  # type: ignore[attr-defined]
         self.failure = exc
         if lost is not None:
             c._lost.setdefault(lost, exc)
             c._p2p.peer_failed(lost, exc)
         raise exc
+
+    def explain_loss(self, peer: int, exc: PeerFailedError) -> PeerFailedError:
+        """``peer``'s connection was lost: if there is an abort notice, it says why (a rank
+        that gave up because another one failed closes its connections right after
+        publishing it); return the error to report. Called by the TCP reader thread."""
+        if self.failure is not None:
+            return self.failure
+        try:
+            self._poll_store()
+        except PeerFailedError as notice:
+            if notice.peer is not None:  # the notice says why (also when it names peer)
+                return notice
+            self.failure = None
+        return exc
 
     # -- publishing ------------------------------------------------------------------------
 
@@ -187,10 +265,10 @@ class Health:
         """An operation of this rank failed with ``exc`` (the communicator is now broken):
         tell every other rank if a peer was lost, and write the flight record."""
         if isinstance(exc, PeerFailedError) and exc is not self.failure and not self.published:
-            self.publish(exc.peer, str(exc), "failed")
+            self.publish(exc.peer, str(exc), "failed", getattr(exc, "lost_id", None))
         self._dump(f"{type(exc).__name__}: {exc}")
 
-    def publish(self, lost: int | None, why: str, what: str) -> None:
+    def publish(self, lost: int | None, why: str, what: str, lost_id: Any = None) -> None:
         """Publish an abort notice (shared memory and store); never raises."""
         if self.published:
             return
@@ -210,7 +288,11 @@ class Health:
                 pass
         store = c._store
         if store is not None:
+            ids = c._peer_ids
+            if lost_id is None and lost is not None and 0 <= lost < len(ids):
+                lost_id = ids[lost]
             notice = json.dumps({"by": self.rank, "lost": lost, "what": what,
+                                 "lost_id": list(lost_id) if lost_id is not None else None,
                                  "why": why[:2000]})
             try:
                 if not store.check([self.key]):

@@ -65,6 +65,7 @@ class Hier:
         from ..tuning import selector
 
         topo = comm.topology
+        assert topo is not None  # set at rendezvous
         self.groups = [sorted(h.ranks) for h in host_order(topo)]
         self.H = len(self.groups)
         self.L = len(self.groups[0])

@@ -130,7 +130,23 @@ class PlaitBackend(Backend):
         return {"plait": plait.__version__}
 
     def algorithm(self, op: str) -> str | None:
-        return DECISIONS.take(op)
+        """The algorithm(s) chosen; with a topology file (PLAIT_TOPO_FILE), followed by
+        the cost model's prediction for the row's size (``ring ~1.01 s``)."""
+        seen = DECISIONS.take_all(op)
+        algos = list(dict.fromkeys(a for a, _ in seen))
+        if not algos:
+            return None
+        topo = getattr(self.comm, "topology", None)
+        if topo is None or not topo.source.startswith("file"):
+            return "+".join(algos)
+        from plait.tuning import selector
+
+        algo, nbytes = seen[-1]
+        try:
+            t = selector.estimate(op, algo, nbytes, self.comm._situation)
+        except ValueError:
+            return "+".join(algos)
+        return "+".join(algos) + " ~" + selector._fmt_s(t).replace(" ", "")
 
     def close(self) -> None:
         self.comm.close()
@@ -151,11 +167,13 @@ class Decisions(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
         self.seen: list[tuple[str, str]] = []
+        self.sizes: list[int] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         args = record.args
         if isinstance(args, tuple) and len(args) >= 4:
             self.seen.append((str(args[0]), str(args[3])))
+            self.sizes.append(int(args[1]))  # type: ignore[call-overload]
 
     def install(self) -> None:
         logger = logging.getLogger("plait.select")
@@ -165,9 +183,15 @@ class Decisions(logging.Handler):
 
     def take(self, op: str) -> str | None:
         """Distinct algorithms chosen for ``op`` since the last call, joined by ``+``."""
-        algos = list(dict.fromkeys(a for o, a in self.seen if o == op))
-        self.seen.clear()
+        algos = list(dict.fromkeys(a for a, _ in self.take_all(op)))
         return "+".join(algos) or None
+
+    def take_all(self, op: str) -> list[tuple[str, int]]:
+        """(algorithm, bytes) of every decision for ``op`` since the last call."""
+        out = [(a, n) for (o, a), n in zip(self.seen, self.sizes, strict=True) if o == op]
+        self.seen.clear()
+        self.sizes.clear()
+        return out
 
 
 DECISIONS = Decisions()

@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "topo": ("plait.topology.cli", "print the job's topology (hosts, ranks, rails)"),
     "testbed": ("plait.testbed.cli", "emulate a multi-host cluster with network namespaces"),
     "config": ("plait.cli.config", "print plait's settings and their documentation"),
+    "flightrec": ("plait.cli.flightrec", "print flight records dumped on a timeout or failure"),
 }
 
 

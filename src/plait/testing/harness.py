@@ -505,7 +505,9 @@ class Pool:
                         replies[i] = _Reply("error", msg[1], msg[2])
                 if replies[i].status == "died" and i in may_die:
                     replies[i] = _Reply("ok", None)
-                    workers[i].kill()  # reaped; the next case starts a new process
+                    # reaped, and forgotten: the next case starts a new process (a dead
+                    # worker left in the list would be asked to close its communicator)
+                    self._workers.kill([workers[i]])
                 if replies[i].status != "ok" and grace_end is None:
                     grace_end = time.monotonic() + GRACE
         if not pending and all(r.status == "ok" for r in replies.values()):

@@ -96,5 +96,6 @@ def run(args: argparse.Namespace) -> int:
                   else render(topo, args.interfaces))
     finally:
         if comm is not None:
+            comm.barrier()  # rank 0 hosts the store: nobody leaves before all have read it
             comm.close()
     return 0

@@ -67,7 +67,7 @@ def interfaces(root: str = SYS_NET) -> list[dict[str, Any]]:
     """Every interface that is up, with its IPv4 addresses and speed."""
     addrs: dict[str, list[str]] = {}
     try:
-        import psutil
+        import psutil  # type: ignore[import-untyped]
 
         for name, items in psutil.net_if_addrs().items():
             addrs[name] = [a.address for a in items if a.family == socket.AF_INET]

@@ -48,7 +48,7 @@ W_NONCE = 16  # random, written at attach: peers read it through CMA to trust ou
 W_NONCE_ADDR = 17  # where W_NONCE lives in this rank's own address space
 W_CMA_FROM = 18  # bit i set: this rank has verified it can read local rank i's memory
 W_ABORT = 7  # abort notice: 1 + the lost rank, or negative (see plait.health)
-W_OP_SEQ = 8  # sequence number of the last collective this rank started
+W_OP_SEQ = 8  # sequence number of the collective this rank is blocked in (slow path)
 W_OP_DONE = 9  # ... and of the last one it finished (diagnosis of timeouts)
 
 KIND_COLL = 0
@@ -225,16 +225,17 @@ class SlotBoard:
         self.done_col = memoryview(seg.ctl[:, W_DONE])
         self.bells = seg.bells
         self.others = [i for i in range(self.n) if i != self.me]
+        self.other_bells = [self.bells[i] for i in self.others]
         self.slot_size = seg.layout.slot_size
         self.slots = (seg.slots[0], seg.slots[1])
         self._wait = wait
         self.seq = 0
-        self._views: dict[tuple[int, np.dtype, int, int], list[np.ndarray]] = {}
+        self._views: dict[tuple[int, int, int, int], list[np.ndarray]] = {}
 
     def typed(self, s: int, dtype: np.dtype, start: int, count: int) -> list[np.ndarray]:
         """Every rank's slot (of use ``s``) as ``count`` elements of ``dtype`` from element
         ``start``; cached, since building views costs more than reading small slots."""
-        key = (s & 1, dtype, start, count)
+        key = (s & 1, dtype.num, start, count)
         v = self._views.get(key)
         if v is None:
             size = dtype.itemsize
@@ -247,10 +248,7 @@ class SlotBoard:
         return v
 
     def _all_at_least(self, col: memoryview, s: int) -> bool:
-        for i in range(self.n):
-            if col[i] < s:
-                return False
-        return True
+        return min(col) >= s  # min() over a memoryview of int64: one C loop
 
     def begin(self, ctx: Any) -> tuple[int, np.ndarray]:
         """Next sequence number and its slots (n x slot_size); waits until every rank has
@@ -268,8 +266,8 @@ class SlotBoard:
 
     def publish(self, s: int) -> None:
         self.arrive[self.me] = s
-        for i in self.others:
-            self.bells[i].ring()
+        for b in self.other_bells:
+            b.ring()
 
     def wait_for(self, s: int, ranks: list[int] | None, ctx: Any) -> None:
         col = self.arrive
@@ -291,7 +289,6 @@ class SlotBoard:
 
     def finish(self, s: int) -> None:
         self.done_col[self.me] = s
-        for i in self.others:
-            b = self.bells[i]
+        for b in self.other_bells:
             if b.words[1]:
                 b.ring()

@@ -141,6 +141,8 @@ class TcpHub:
         # outgoing sockets to bind_host, so traffic leaves from this rank's rail address
         self.nsocks = nsocks
         self.source = bind_host if bind_source else None
+        self._open: dict[int, int] = {}  # peer -> inbound sockets still open
+        self._open_lock = threading.Lock()
         self.job = job
         self.comm_uid = comm_uid
         self.secret = secret
@@ -198,7 +200,16 @@ class TcpHub:
         nonce = os.urandom(16)
         sock.sendall(wire.pack_challenge(self.secret, raw, nonce))
         wire.check_response(self.secret, raw, nonce, recv_exact(sock, wire.RESPONSE_SIZE))
-        sock.sendall(b"\x01")
+        # count the peer's live sockets before it may send (it waits for the ack): with
+        # several sockets per peer, an orderly close is the last one's goodbye
+        with self._open_lock:
+            self._open[hello.src] = self._open.get(hello.src, 0) + 1
+        try:
+            sock.sendall(b"\x01")
+        except BaseException:
+            with self._open_lock:
+                self._open[hello.src] -= 1
+            raise
         sock.settimeout(None)
         tune(sock)
         return hello.src
@@ -225,7 +236,11 @@ class TcpHub:
                 sock.close()
             except OSError:
                 pass
-            if not self._closing:
+            with self._open_lock:
+                left = self._open[peer] = self._open.get(peer, 1) - 1
+            # a broken socket loses the peer at once; goodbyes only when every socket
+            # has said it (frames on the others may still be in flight)
+            if not self._closing and (err is not None or left <= 0):
                 self.on_peer_lost(peer, err)
 
     # -- connecting --------------------------------------------------------------------

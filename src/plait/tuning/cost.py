@@ -250,7 +250,7 @@ def calibrate(data: dict[str, Any], link_class: str = "shm", backend: str | None
     unit_b = Model(Link(0.0, 1.0), Link(0.0, 1.0), Link(0.0, 1.0))
     xs: list[tuple[float, float, float]] = []
     for r in rows:
-        algo = str(r["algorithm"]).split("+")[0]
+        algo = str(r["algorithm"]).split()[0].split("+")[0]  # "ring ~1.01s" -> ring
         try:
             a = flat_time(r["op"], algo, int(r["size"]), shape, unit_a)
             b = flat_time(r["op"], algo, int(r["size"]), shape, unit_b)

@@ -225,6 +225,7 @@ def choose(op: str, nbytes: int, sit: Situation, overrides: str = "",
             d = Decision(algo, source, None)
             if source == "default" and algo == "hier" and len(candidates) > 1:
                 flat = candidates[1]
+                est: tuple[tuple[str, float], ...]
                 try:
                     est = ((algo, estimate(op, algo, nbytes, sit)),
                            (flat, estimate(op, flat, nbytes, sit)))
