@@ -191,6 +191,9 @@ def _checker(result: Callable[[], np.ndarray | None], expected: Callable[[], np.
 
 
 class AllReduce(Collective):
+    root_only = False
+    """Reduce: only the root's output is defined (MPI leaves other ranks' untouched)."""
+
     def bus_factor(self, n: int) -> float:
         return 2.0 * (n - 1) / n
 
@@ -200,6 +203,7 @@ class AllReduce(Collective):
         bad = poison(dtype)
         send, recv = _alloc(lay.count, dtype), _alloc(lay.count, dtype)
         inplace = _alloc(lay.count, dtype)
+        defined = not self.root_only or rank == root
 
         def expected() -> np.ndarray:
             return self.expected((lay, n, dtype, redop),
@@ -217,43 +221,18 @@ class AllReduce(Collective):
 
         return {
             "out": Case(send, recv, fill_out, fill_out,
-                        _checker(lambda: recv, expected, dtype, redop)),
+                        _checker(lambda: recv if defined else None, expected, dtype, redop)),
             "in": Case(None, inplace, fill_in, zero,
-                       _checker(lambda: inplace, expected, dtype, redop)),
-        }
-
-
-class Reduce(Collective):
-    def cases(self, lay: Layout, rank: int, n: int, root: int, dtype: str,
-              redop: str) -> dict[str, Case]:
-        data = pattern(rank, 0, lay.count, dtype, redop)
-        bad = poison(dtype)
-        send, recv = _alloc(lay.count, dtype), _alloc(lay.count, dtype)
-        inplace = _alloc(lay.count, dtype)
-
-        def expected() -> np.ndarray:
-            return self.expected((lay, n, dtype, redop),
-                                 lambda: reduce_ranks(n, 0, lay.count, dtype, redop))
-
-        def fill_out() -> None:
-            send[:] = data
-            recv[:] = bad
-
-        def fill_in() -> None:
-            inplace[:] = data
-
-        def zero() -> None:
-            inplace.fill(0)
-
-        # only the root's output is defined (MPI leaves other ranks' output untouched)
-        return {
-            "out": Case(send, recv, fill_out, fill_out,
-                        _checker(lambda: recv if rank == root else None, expected, dtype,
-                                 redop)),
-            "in": Case(None, inplace, fill_in, zero,
-                       _checker(lambda: inplace if rank == root else None, expected, dtype,
+                       _checker(lambda: inplace if defined else None, expected, dtype,
                                 redop)),
         }
+
+
+class Reduce(AllReduce):
+    root_only = True
+
+    def bus_factor(self, n: int) -> float:
+        return 1.0
 
 
 class Broadcast(Collective):
