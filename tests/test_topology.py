@@ -169,9 +169,11 @@ def test_rail_phase_one_flow_per_link_per_step() -> None:
     for i in range(8):
         members = [sorted(h.ranks)[i] for h in hosts]
         scheds = [allreduce_ring.schedule(p, H, 4 * H) for p in range(H)]
-        bufs = [np.ones(4 * H, dtype=np.int64) for _ in range(H)]
+        # exact data that depends on position and index: a misplaced chunk changes a sum
+        bufs = [np.arange(4 * H, dtype=np.int64) * 1009 + p * 7919 for p in range(H)]
+        want = sum(np.arange(4 * H, dtype=np.int64) * 1009 + p * 7919 for p in range(H))
         flows = simulate(scheds, bufs, bufs, lambda d, s: np.add(d, s, out=d), in_place=True)
-        assert all((b == H).all() for b in bufs)
+        assert all((b == want).all() for b in bufs)
         assert _max_flows(topo, flows, members) == 1
         all_flows += [(f, members) for f in flows]
     counts: dict = {}

@@ -10,8 +10,8 @@ usable. A rank whose own arguments are invalid raises its own ValueError/TypeErr
 the exchange, and the others a MismatchError that names it. The cost is one small
 allgather per collective: a debugging aid, off by default.
 
-The torch backend has its own check with torch's operation names
-(``plait.torch.debug``) and turns this one off for its communicators.
+The torch backend checks with torch's operation names (``plait.torch.debug``), through
+the same exchange (:func:`agree`), and turns this wrapper off for its communicators.
 """
 
 from __future__ import annotations
@@ -49,6 +49,22 @@ OPS = tuple(SPECS)
 DTYPE_NAMES = tuple(DTYPES)
 REDUCE_OPS = tuple(ReduceOp.__members__)
 FIELDS = 6
+
+
+def agree(comm: Any, mine: np.ndarray, every: np.ndarray, header: str,
+          describe: Callable[[np.ndarray], str], error: BaseException | None = None) -> None:
+    """Allgather this rank's descriptor ``mine`` (int64) into ``every`` (size x len(mine))
+    and raise MismatchError, listing each rank's ``describe(row)``, unless all agree.
+    ``error`` (this rank's own invalid arguments) is raised after the exchange, so the
+    other ranks are not left waiting for it."""
+    type(comm).allgather(comm, mine, every)  # the class's method: never a checked wrapper
+    if error is not None:
+        raise error
+    rows = every.reshape(comm.size, len(mine))
+    if (rows == rows[0]).all():
+        return
+    lines = [header] + [f"  rank {r}: {describe(row)}" for r, row in enumerate(rows)]
+    raise MismatchError("\n".join(lines))
 
 
 def install(comm: Communicator) -> None:
@@ -109,19 +125,11 @@ class _Checker:
         return OPS.index(name), dtype, count, root, red, 0
 
     def compare(self, name: str, desc: tuple[int, ...], error: BaseException | None) -> None:
-        comm = self.comm
         self.calls += 1
         self.mine[:] = desc
-        type(comm).allgather(comm, self.mine, self.all)  # the unwrapped method
-        rows = self.all.reshape(comm.size, FIELDS)
-        if error is not None:
-            raise error
-        if (rows == rows[0]).all():
-            return
-        lines = [f"rank {comm.rank}, {name}: PLAIT_DEBUG=check: ranks disagree on checked "
-                 f"collective #{self.calls}:"]
-        lines += [f"  rank {r}: {_describe(row)}" for r, row in enumerate(rows)]
-        raise MismatchError("\n".join(lines))
+        agree(self.comm, self.mine, self.all,
+              f"rank {self.comm.rank}, {name}: PLAIT_DEBUG=check: ranks disagree on checked "
+              f"collective #{self.calls}:", _describe, error)
 
 
 def _describe(row: np.ndarray) -> str:

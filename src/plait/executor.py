@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .algorithms.schedule import IN, OUT, TMP, Copy, Recv, Reduce, Schedule, Send
+from .algorithms.schedule import Copy, Recv, Schedule, Send
 from .errors import CommTimeoutError
 from .reduce import Reducer
-from .transport.channels import Req, ShmRecv, ShmSend
+from .transport.channels import Req, ShmRecv, ShmSend, TcpSend
 from .transport.futex import Bell
 
 if TYPE_CHECKING:
@@ -146,8 +146,8 @@ def wait_reqs(comm: Communicator, ctx: OpCtx, reqs: list[Req]) -> None:
         return not pending
 
     def waiting_for() -> str:
-        sends = sorted({r.peer for r in pending if type(r).__name__.endswith("Send")})
-        recvs = sorted({r.peer for r in pending if not type(r).__name__.endswith("Send")})
+        sends = sorted({r.peer for r in pending if isinstance(r, (ShmSend, TcpSend))})
+        recvs = sorted({r.peer for r in pending if not isinstance(r, (ShmSend, TcpSend))})
         parts = []
         if recvs:
             parts.append("data from rank " + ", ".join(map(str, recvs)))
@@ -158,5 +158,3 @@ def wait_reqs(comm: Communicator, ctx: OpCtx, reqs: list[Req]) -> None:
     local_only = all(isinstance(r, (ShmSend, ShmRecv)) for r in reqs)
     comm._waiter.wait(ready, ctx, waiting_for, spin=local_only)
 
-
-__all__ = ["IN", "OUT", "TMP", "OpCtx", "Reduce", "Waiter", "run", "wait_reqs"]

@@ -7,7 +7,7 @@ same memory as IN for in-place operations) and ``TMP`` (scratch the executor all
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 IN, OUT, TMP = 0, 1, 2
 
@@ -62,13 +62,6 @@ class Schedule:
     steps: tuple[Step, ...]
     tmp: int = 0
     name: str = ""
-    meta: dict[str, int] = field(default_factory=dict, compare=False)
-
-    def messages(self) -> int:
-        return sum(1 for s in self.steps for x in s.xfers if isinstance(x, Send))
-
-    def bytes_sent(self, itemsize: int) -> int:
-        return itemsize * sum(x.count for s in self.steps for x in s.xfers if isinstance(x, Send))
 
 
 def split_even(count: int, parts: int) -> list[int]:

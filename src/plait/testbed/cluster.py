@@ -46,6 +46,7 @@ from types import FrameType, TracebackType
 from typing import IO, Any
 
 from plait.errors import PlaitError
+from plait.health import pid_alive
 
 NAME_PREFIX = "plait-"
 """Every namespace this module creates is named ``plait-<pid>-<hex>-<role>``."""
@@ -100,15 +101,6 @@ def _netns_list() -> list[str]:
     # Lines look like "name" or "name (id: 3)".
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _normalise_rates(rate: str | Sequence[str] | None, rails: int) -> list[str | None]:
@@ -267,7 +259,7 @@ class Cluster:
         removed = []
         for name in _netns_list():
             m = re.match(rf"^{re.escape(NAME_PREFIX)}(\d+)-", name)
-            if m and not _pid_alive(int(m.group(1))):
+            if m and not pid_alive(int(m.group(1))):
                 _kill_netns_pids(name)
                 subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
                 removed.append(name)

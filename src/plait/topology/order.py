@@ -44,7 +44,7 @@ def relabel(sched: Schedule, order: tuple[int, ...]) -> Schedule:
             else:
                 xf.append(Recv(order[x.peer], x.buf, x.off, x.count, x.reduce))
         steps.append(Step(st.local, tuple(xf)))
-    return Schedule(tuple(steps), sched.tmp, sched.name, sched.meta)
+    return Schedule(tuple(steps), sched.tmp, sched.name)
 
 
 @lru_cache(maxsize=256)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from plait.errors import MismatchError
+from plait.check import agree
 
 OPS = ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "gather", "scatter",
        "allgather", "all_gather_into_tensor", "allgather_coalesced",
@@ -46,14 +46,9 @@ class CollectiveCheck:
         dt = "-" if dtype is None else str(dtype).removeprefix("torch.")
         self._mine[:] = (OPS.index(op), DTYPES.index(dt) if dt in DTYPES else len(DTYPES),
                          count, root, REDUCE_OPS.index(reduce_op))
-        self._comm.allgather(self._mine, self._all)
-        rows = self._all.reshape(self._comm.size, _FIELDS)
-        if (rows == rows[0]).all():
-            return
-        lines = [f"rank {self._comm.rank}, PLAIT_DEBUG=check: ranks disagree on collective "
-                 f"#{self._calls} of process group {self._group()!r}:"]
-        lines += [f"  rank {r}: {_describe(row)}" for r, row in enumerate(rows)]
-        raise MismatchError("\n".join(lines))
+        agree(self._comm, self._mine, self._all,
+              f"rank {self._comm.rank}, PLAIT_DEBUG=check: ranks disagree on collective "
+              f"#{self._calls} of process group {self._group()!r}:", _describe)
 
 
 def _describe(row: np.ndarray) -> str:
