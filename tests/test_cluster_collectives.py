@@ -44,18 +44,17 @@ for label, algo in (("hier", HIER), ("default", "")):
     for count, dtype, lib in ((1, "int64", "numpy"), (7, "bfloat16", "torch"),
                               (30001, "float32", "numpy"), (262144, "int32", "torch")):
         case_ops(comm, OPS, count, dtype, lib)
-    hubs = [("world", comm)]
-    if comm._hier is not None:
-        hubs += [("local", comm._hier.local), ("rail", comm._hier.rail)]
+    info = comm.describe()
+    hubs = [("world", info)]
+    if info["hier"] is not None:
+        hubs += [("local", info["hier"]["local_group"].describe()),
+                 ("rail", info["hier"]["rail_group"].describe())]
     report[label] = {
         "transports": [comm.peer_transport(r) for r in range(comm.size)],
-        "hier": comm._hier is not None,
-        "listen": {k: c._hub.address[0] for k, c in hubs if c._hub is not None},
-        "sources": sorted({s.getsockname()[0] for k, c in hubs if c._hub is not None
-                           for out in c._hub.outbound.values()
-                           for s in ([out.sock] + (out.striper.socks if out.striper else []))}),
-        "streams": max([len(out.striper.socks) if out.striper else 1 for k, c in hubs
-                        if c._hub is not None for out in c._hub.outbound.values()] or [0]),
+        "hier": info["hier"] is not None,
+        "listen": {k: d["listen"] for k, d in hubs if d.get("listen")},
+        "sources": sorted({a for _, d in hubs for a in d.get("sources", [])}),
+        "streams": max([d.get("streams", 0) for _, d in hubs] or [0]),
     }
     comm.close()
 print("REPORT " + json.dumps(report))

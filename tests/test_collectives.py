@@ -402,11 +402,9 @@ def test_single_copy_transfers(pools: Any, world: int) -> None:
     for count, dtype, lib in cases:
         pool.run(case_ops, ops, count, dtype, lib)
     # every rank verified every peer's memory and so really read through process_vm_readv
-    masks = pool.run(case_cma_mask)
-    assert masks == [((1 << world) - 1) & ~(1 << r) for r in range(world)]
+    peers = pool.run(case_cma_peers)
+    assert peers == [[p for p in range(world) if p != r] for r in range(world)]
 
 
-def case_cma_mask(comm: Any) -> int:
-    from plait.transport import shm
-
-    return int(comm._seg.ctl[comm._me_local, shm.W_CMA_FROM])
+def case_cma_peers(comm: Any) -> list[int]:
+    return sorted(comm.describe()["single_copy_from"])

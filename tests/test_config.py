@@ -5,11 +5,23 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
+import pickle
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from plait.config import DEFAULT_TIMEOUT_S, Config, parse_size, to_seconds
+from plait.config import (
+    DEFAULT_TIMEOUT_S,
+    SETTINGS,
+    Config,
+    apply_log_level,
+    disagreement,
+    parse_size,
+    resolve,
+    to_seconds,
+)
 
 
 def test_defaults() -> None:
@@ -116,6 +128,214 @@ def test_algo_grammar_errors_name_the_problem() -> None:
         parse("allreduce:nosuch")
     with pytest.raises(ValueError, match="frobnicate"):
         parse("frobnicate:ring")
+
+
+# ---------------------------------------------------------- Config as an object
+
+
+@pytest.mark.parametrize(("field", "explicit", "env", "from_env", "default"), [
+    ("timeout", 5.0, "2.5", 2.5, DEFAULT_TIMEOUT_S),  # float, via to_seconds
+    ("nsocks", 2, "8", 8, 4),  # int
+    ("shm_slot_size", 128, "2K", 2048, 64 << 10),  # size with a suffix
+    ("transport", "tcp", "tcp", "tcp", "auto"),  # str with a fixed set of values
+    ("host_id", "given", "fromenv", "fromenv", None),  # optional str
+    ("log_level", "INFO", "debug", "DEBUG", ""),  # normalised level name
+])
+def test_explicit_wins_over_env_wins_over_default(field: str, explicit: Any, env: str,
+                                                  from_env: Any, default: Any) -> None:
+    var = SETTINGS[field].env
+    assert getattr(Config.resolve(Config(**{field: explicit}), {var: env}), field) == explicit
+    assert getattr(Config.resolve(None, {var: env}), field) == from_env
+    assert getattr(Config.resolve(Config(), {var: env}), field) == from_env
+    assert getattr(Config.resolve(Config(), {}), field) == default
+    assert getattr(resolve(None, {var: ""}), field) == default  # empty means absent
+
+
+def test_explicit_default_value_still_wins() -> None:
+    """Giving a field its default is not the same as leaving it unset."""
+    env = {"PLAIT_TRANSPORT": "tcp", "PLAIT_ALGO": "allreduce:ring", "PLAIT_HOST_ID": "h"}
+    cfg = Config.resolve(Config(transport="auto", algo="", host_id=None), env)
+    assert (cfg.transport, cfg.algo, cfg.host_id) == ("auto", "", None)
+
+
+def test_unset_fields_read_their_defaults() -> None:
+    cfg = Config(timeout=5, algo="allreduce:ring")
+    assert cfg.timeout == 5.0 and isinstance(cfg.timeout, float)
+    assert cfg.nsocks == 4 and cfg.transport == "auto" and cfg.host_id is None
+    assert cfg.is_set("timeout") and cfg.is_set("algo") and not cfg.is_set("nsocks")
+    assert (cfg.source("timeout"), cfg.source("nsocks")) == ("explicit", None)
+    assert not cfg.resolved and not Config().resolved
+    assert repr(cfg) == "Config(timeout=5.0, algo='allreduce:ring')"
+    with pytest.raises(TypeError):
+        Config(5.0)  # type: ignore[misc]  # keyword-only: the order of fields is no API
+
+
+def test_resolved_config_records_where_values_came_from() -> None:
+    cfg = Config.resolve(Config(algo="allreduce:ring"), {"PLAIT_NSOCKS": "2"})
+    assert cfg.resolved and all(cfg.is_set(name) for name in SETTINGS)
+    assert (cfg.source("algo"), cfg.source("nsocks"), cfg.source("timeout")) \
+        == ("explicit", "env", "default")
+    # A resolved configuration is complete: resolving it again ignores the environment.
+    assert Config.resolve(cfg, {"PLAIT_NSOCKS": "16", "PLAIT_TIMEOUT": "1"}) == cfg
+    with pytest.raises(KeyError):
+        cfg.source("nosuch")
+
+
+def test_from_env_means_resolve_without_explicit() -> None:
+    env = {"PLAIT_TIMEOUT": "3", "PLAIT_SHM_CHUNK_SIZE": "4K", "PLAIT_DEBUG": "check"}
+    assert Config.from_env(env) == Config.resolve(None, env) == Config.resolve(Config(), env)
+
+
+def test_from_env_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PLAIT_NSOCKS", "3")
+    assert Config.from_env().nsocks == 3 == Config.resolve().nsocks
+
+
+def test_explicit_values_are_converted_like_the_variables() -> None:
+    cfg = Config(shm_slot_size="1K", timeout=datetime.timedelta(seconds=90), spin_us=5,
+                 log_level=logging.WARNING, algo=" allreduce:ring ")
+    assert cfg.shm_slot_size == 1024 and cfg.timeout == 90.0
+    assert cfg.spin_us == 5.0 and isinstance(cfg.spin_us, float)
+    assert cfg.log_level == "30" and cfg.algo == "allreduce:ring"
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("transport", "udp", "expected auto or tcp"),
+    ("shm_slot_size", 100, "multiple of 64"),
+    ("tcp_chunk_size", "lots", "float"),
+    ("shm_ring_chunks", 1, "at least 2"),
+    ("nsocks", 65, "expected 1 to 64"),
+    ("nsocks", 2.5, "expected int"),
+    ("nsocks", True, "expected int"),
+    ("timeout", -1, "positive"),
+    ("timeout", "soon", "float"),
+    ("timeout", None, "not None"),
+    ("debug", "verbose", "expected 'check' or nothing"),
+    ("log_level", "loud", "DEBUG, INFO"),
+    ("cma_min_size", -1, "negative"),
+    ("host_id", 3, "expected str"),
+])
+def test_invalid_explicit_values_name_the_field(field: str, value: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=rf"Config\({field}=.*{match}"):
+        Config(**{field: value})
+    with pytest.raises(ValueError, match=rf"Config\({field}=.*{match}"):
+        Config().derive(**{field: value})
+
+
+def test_unknown_field_is_a_type_error() -> None:
+    with pytest.raises(TypeError):
+        Config(nosuch=1)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="nosuch"):
+        Config().derive(nosuch=1)
+
+
+def test_invalid_log_level_fails_at_resolve() -> None:
+    with pytest.raises(ValueError, match="PLAIT_LOG_LEVEL"):
+        Config.from_env({"PLAIT_LOG_LEVEL": "chatty"})
+    for text, value in (("debug", "DEBUG"), ("Warning", "WARNING"), ("15", "15"), ("", "")):
+        assert Config.from_env({"PLAIT_LOG_LEVEL": text}).log_level == value
+
+
+def test_derive() -> None:
+    parent = Config.resolve(None, {"PLAIT_NSOCKS": "2", "PLAIT_ALGO": "allreduce:ring"})
+    child = parent.derive(algo="allreduce:direct", shm_slot_size="2K")
+    assert child.algo == "allreduce:direct" and child.shm_slot_size == 2048
+    assert child.nsocks == 2 and child.timeout == parent.timeout
+    assert child.resolved and child.source("algo") == "explicit"
+    assert child.source("nsocks") == "env"
+    assert parent.algo == "allreduce:ring"  # the parent is untouched
+    assert parent.derive() == parent
+    # Deriving from a partial configuration keeps the rest unset for resolve to fill in.
+    partial = Config(timeout=3.0).derive(nsocks=8)
+    assert (partial.is_set("timeout"), partial.is_set("nsocks"), partial.is_set("algo")) \
+        == (True, True, False)
+    assert Config.resolve(partial, {"PLAIT_ALGO": "broadcast:chain"}).algo == "broadcast:chain"
+
+
+def test_agreement() -> None:
+    agree = Config.from_env({}).agreement()
+    must = {"transport", "algo", "shm_slot_size", "shm_chunk_size", "shm_ring_chunks",
+            "cma_min_size", "tcp_chunk_size", "nsocks", "debug"}
+    need_not = {"timeout", "host_id", "log_level", "flight_recorder_entries",
+                "flight_recorder_dir", "secret", "secret_file", "socket_ifname", "spin_us",
+                "topo_file"}
+    assert must <= set(agree) and not need_not & set(agree)
+    assert set(agree) == {name for name, s in SETTINGS.items() if s.agree}
+    assert all(isinstance(v, str) for v in agree.values())
+    assert agree["transport"] == "auto" and agree["shm_slot_size"] == str(64 << 10)
+    # Settings that need not agree do not change it.
+    other = Config.from_env({"PLAIT_TIMEOUT": "1", "PLAIT_HOST_ID": "b", "PLAIT_SPIN_US": "0"})
+    assert other.agreement() == agree
+
+
+def test_disagreement_names_the_first_differing_setting() -> None:
+    mine = Config.from_env({}).agreement()
+    assert disagreement(mine, dict(mine)) is None
+    theirs = Config.from_env({"PLAIT_NSOCKS": "2", "PLAIT_ALGO": "allreduce:ring"}).agreement()
+    assert disagreement(mine, theirs) == "algo"  # declared before nsocks
+    assert disagreement(theirs, mine) == "algo"
+    assert disagreement(mine, {k: v for k, v in mine.items() if k != "debug"}) == "debug"
+    assert disagreement(mine, {**mine, "newer": "1"}) == "newer"
+
+
+def test_settings_are_declared_once_per_field() -> None:
+    names = [f.name for f in dataclasses.fields(Config)]
+    assert list(SETTINGS) == names
+    for name, s in SETTINGS.items():
+        assert s.name == name and s.env == "PLAIT_" + name.upper() and s.doc
+        assert getattr(Config(), name) == s.default
+    assert SETTINGS["host_id"].type == (str | None) and SETTINGS["nsocks"].type is int
+
+
+def test_describe_hides_the_secret() -> None:
+    rows = {var: value for var, value, _ in Config(secret="hunter2").describe()}
+    assert "hunter2" not in rows["PLAIT_SECRET"] and "hunter2" not in repr(Config(secret="x2"))
+    assert Config(secret="hunter2").secret == "hunter2"
+
+
+def test_pickles_with_its_sources() -> None:
+    cfg = Config.resolve(Config(algo="allreduce:ring"), {"PLAIT_NSOCKS": "2"})
+    back = pickle.loads(pickle.dumps(cfg))
+    assert back == cfg and back.source("nsocks") == "env" and back.source("algo") == "explicit"
+    assert hash(back) == hash(cfg)
+
+
+@pytest.fixture
+def plait_logger(monkeypatch: pytest.MonkeyPatch) -> Iterator[logging.Logger]:
+    """The ``plait`` logger with no handler that its records reach (pytest puts its own on
+    the root during each test, so: not propagating), restored afterwards."""
+    logger = logging.getLogger("plait")
+    saved = (logger.level, list(logger.handlers))
+    monkeypatch.setattr(logger, "propagate", False)
+    logger.handlers.clear()
+    logger.setLevel(logging.NOTSET)
+    yield logger
+    logger.handlers[:] = saved[1]
+    logger.setLevel(saved[0])
+
+
+def test_log_level_applied(plait_logger: logging.Logger) -> None:
+    assert apply_log_level(Config.from_env({"PLAIT_LOG_LEVEL": "debug"})) == logging.DEBUG
+    assert plait_logger.level == logging.DEBUG
+    assert len(plait_logger.handlers) == 1
+    assert isinstance(plait_logger.handlers[0], logging.StreamHandler)
+    # Applied again (every init): the level changes, no second handler.
+    assert apply_log_level(Config(log_level="25")) == 25
+    assert plait_logger.level == 25 and len(plait_logger.handlers) == 1
+
+
+def test_empty_log_level_leaves_logging_alone(plait_logger: logging.Logger) -> None:
+    plait_logger.setLevel(logging.ERROR)
+    assert apply_log_level(Config.from_env({})) is None
+    assert plait_logger.level == logging.ERROR and not plait_logger.handlers
+
+
+def test_log_level_adds_no_handler_when_the_application_has_one(
+        plait_logger: logging.Logger, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plait_logger, "propagate", True)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [logging.NullHandler()])
+    apply_log_level(Config(log_level="INFO"))
+    assert plait_logger.level == logging.INFO and not plait_logger.handlers
 
 
 # ---------------------------------------------------------- settings reach the library

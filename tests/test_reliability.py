@@ -466,7 +466,7 @@ def test_nothing_leaks_after_close_or_error(pools: Any, transport: str) -> None:
 
 
 def case_bind_address(comm: Any) -> str:
-    return str(comm._hub.listener.getsockname()[0])
+    return str(comm.describe()["listen"])
 
 
 @pytest.mark.parametrize("env", [{}, {"PLAIT_SOCKET_IFNAME": "lo"}])
@@ -513,12 +513,14 @@ def _attacks(comm: Any, addr: tuple[str, int], target: int) -> list[str]:
 
     outcomes.append(client(os.urandom(200)))  # garbage
     outcomes.append(client(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 60))
-    wrong_job = wire.Hello(wire.VERSION, 0, os.urandom(16), comm._uid, 0, target,
+    ids = comm.describe()["identity"]
+    job, uid = bytes.fromhex(ids["job"]), bytes.fromhex(ids["communicator"])
+    wrong_job = wire.Hello(wire.VERSION, 0, os.urandom(16), uid, 0, target,
                            os.urandom(16)).pack()
     outcomes.append(client(wrong_job))
     # the right job and communicator (a party that read the store) but not the secret:
     # the challenge comes back; the "response" is an oversized frame header instead
-    right_ids = wire.Hello(wire.VERSION, 0, comm._job, comm._uid, 0, target,
+    right_ids = wire.Hello(wire.VERSION, 0, job, uid, 0, target,
                            os.urandom(16)).pack()
     outcomes.append(client(right_ids, read=wire.CHALLENGE_SIZE))
     return outcomes
@@ -530,12 +532,14 @@ def case_foreign_clients(comm: Any) -> dict[str, Any]:
     cap = _Capture()
     logging.getLogger("plait").addHandler(cap)
     try:
-        comm.barrier()
+        # every rank's listening port, so rank 0 can reach rank 1's listener
+        ports = np.zeros(comm.size, dtype=np.int64)
+        mine = np.array([comm.describe()["port"]], dtype=np.int64)
+        comm.allgather(mine, ports)
         outcomes: list[str] = []
         thread = None
         if comm.rank == 0:
-            raw = comm._store.get(f"{comm._prefix}/tcp/1").decode()
-            host, _, port = raw.rpartition(":")
+            host, port = comm.describe()["listen"], int(ports[1])
             def attack() -> None:
                 try:
                     outcomes.extend(_attacks(comm, (host, int(port)), 1))

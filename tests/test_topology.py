@@ -5,6 +5,7 @@ topologies), and the cost model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,11 +13,11 @@ import numpy as np
 import pytest
 
 from plait.algorithms import allreduce_ring
-from plait.algorithms.simulate import simulate
+from plait.algorithms.simulate import flows_per_link, simulate
 from plait.topology import discover, synthetic
 from plait.topology.file import TopologyFileError, from_cluster_spec, loads, parse_bandwidth
 from plait.topology.model import build
-from plait.topology.order import flows_per_link, host_order, ring_allreduce, ring_order
+from plait.topology.order import host_order, ring_order
 from plait.tuning import cost, selector
 
 TOML = """
@@ -136,7 +137,7 @@ def _max_flows(topo, flows, ranks=None) -> int:  # type: ignore[no-untyped-def]
 
 def _ring_flows(topo, order):  # type: ignore[no-untyped-def]
     n = topo.size
-    scheds = [ring_allreduce(r, n, n, tuple(order)) for r in range(n)]
+    scheds = [allreduce_ring.in_order(r, n, n, tuple(order)) for r in range(n)]
     bufs = [np.arange(n, dtype=np.int64) + r for r in range(n)]
     flows = simulate(scheds, bufs, bufs, lambda d, s: np.add(d, s, out=d), in_place=True)
     expect = sum(np.arange(n) + r for r in range(n))
@@ -215,8 +216,13 @@ def test_selector_picks_hier_by_model_and_obeys_overrides() -> None:
     assert selector.choose("allreduce", 16 << 20, flat).algo == "ring"
     with pytest.raises(ValueError, match="hier needs"):
         selector.choose("allreduce", 1 << 20, flat, "allreduce:hier")
-    assert selector.without("allreduce:hier;broadcast:0-1K:tree,hier", "hier") == \
-        "broadcast:0-1024:tree"
+    # hier's phases (composite=False) ignore rules naming hier: what is left applies, or
+    # the defaults where nothing is
+    phase = dataclasses.replace(sit, composite=False)
+    spec = "allreduce:hier;broadcast:0-1K:hier,tree"
+    assert selector.choose("allreduce", 16 << 20, phase, spec).algo == "ring"
+    d = selector.choose("broadcast", 100, phase, spec)
+    assert (d.algo, d.source) == ("tree", "PLAIT_ALGO")
 
 
 def test_calibration_recovers_alpha_beta(tmp_path: Path) -> None:
@@ -241,7 +247,7 @@ def test_calibration_recovers_alpha_beta(tmp_path: Path) -> None:
 def test_plait_topo_alone_and_render(capsys: pytest.CaptureFixture[str],
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from plait.cli.main import main
-    from plait.topology.cli import render
+    from plait.cli.topo import render
 
     for var in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)

@@ -7,7 +7,8 @@ Use it directly on numpy arrays and torch CPU tensors (``plait.init``) or as the
 
 from __future__ import annotations
 
-from .comm import Communicator, Work, init
+from .comm import Communicator, init
+from .config import Config
 from .errors import (
     ClosedError,
     CommTimeoutError,
@@ -17,6 +18,7 @@ from .errors import (
     TransportError,
 )
 from .reduce import ReduceOp
+from .work import Work
 
 __version__ = "0.1.0"
 
@@ -24,6 +26,7 @@ __all__ = [
     "ClosedError",
     "CommTimeoutError",
     "Communicator",
+    "Config",
     "MismatchError",
     "PeerFailedError",
     "PlaitError",

@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from .args import check_rank
 from .buffers import as_buf
 from .errors import MismatchError
 from .reduce import DTYPES, ReduceOp
-
-if TYPE_CHECKING:
-    from .comm import Communicator
 
 ANY = -1
 # method -> (buffer giving dtype, buffer giving the count or None, root argument, reduce
@@ -67,7 +65,7 @@ def agree(comm: Any, mine: np.ndarray, every: np.ndarray, header: str,
     raise MismatchError("\n".join(lines))
 
 
-def install(comm: Communicator) -> None:
+def install(comm: Any) -> None:
     """Wrap ``comm``'s collective methods with the check."""
     checker = _Checker(comm)
     for name in SPECS:
@@ -80,7 +78,7 @@ def uninstall(comm: Any) -> None:
 
 
 class _Checker:
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Any) -> None:
         self.comm = comm
         self.calls = 0
         self.mine = np.zeros(FIELDS, dtype=np.int64)
@@ -121,7 +119,7 @@ class _Checker:
                 b.dtype.reducer(rop, rank=comm.rank, opname=name)  # TypeError if undefined
                 red = REDUCE_OPS.index(rop.name)
         if rootarg is not None:
-            root = comm._check_rank(a[rootarg], name, "root")
+            root = check_rank(a[rootarg], comm.size, comm.rank, name, "root")
         return OPS.index(name), dtype, count, root, red, 0
 
     def compare(self, name: str, desc: tuple[int, ...], error: BaseException | None) -> None:

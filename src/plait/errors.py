@@ -18,9 +18,13 @@ class CommTimeoutError(PlaitError, TimeoutError):
 class PeerFailedError(PlaitError):
     """A peer process died, closed its communicator or broke its connection."""
 
-    def __init__(self, message: str, peer: int | None = None) -> None:
+    def __init__(self, message: str, peer: int | None = None,
+                 lost_id: tuple[str, int] | None = None) -> None:
         super().__init__(message)
         self.peer = peer
+        # (host identity, pid) of the lost process: the same on every communicator it
+        # belonged to, so a parent or child communicator can name it in its own numbering
+        self.lost_id = lost_id
 
 
 class MismatchError(PlaitError):

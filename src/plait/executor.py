@@ -1,8 +1,11 @@
-"""Runs schedules on transports, and waits without burning a core.
+"""Runs schedules on channels, and waits without burning a core.
 
-Waiting spins for a short while (a peer usually answers within microseconds), then
-sleeps on this rank's doorbell (a futex word that peers and reader threads ring) with a
-bounded timeout, re-checking the deadline and the communicator's failure state each time.
+The executor knows requests only through the transport interface (transport/base.py):
+``progress()``, ``done``, ``is_send`` and ``driven_by``. Waiting spins for a short while (a
+peer usually answers within microseconds) when progress is made by the waiting thread
+itself, then sleeps on this rank's doorbell (a futex word that peers and reader threads
+ring) with a bounded timeout, re-checking the deadline and the communicator's failure
+state each time.
 """
 
 from __future__ import annotations
@@ -10,42 +13,15 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .algorithms.schedule import Copy, Recv, Schedule, Send
-from .errors import CommTimeoutError
+from .algorithms.schedule import Copy, Schedule, Send
 from .reduce import Reducer
-from .transport.channels import Req, ShmRecv, ShmSend, TcpSend
+from .transport.base import CALLER, Channel, OpCtx, Request
 from .transport.futex import Bell
 
-if TYPE_CHECKING:
-    from .comm import Communicator
-
 MAX_SLEEP_S = 0.05
-
-
-class OpCtx:
-    """What an error message needs to know about the running operation."""
-
-    __slots__ = ("comm", "deadline", "name", "seq")
-
-    def __init__(self, comm: Communicator, name: str, seq: int, deadline: float) -> None:
-        self.comm = comm
-        self.name = name
-        self.seq = seq
-        self.deadline = deadline
-
-    @property
-    def where(self) -> str:
-        return f"rank {self.comm.rank}, {self.name} #{self.seq}"
-
-    def timeout_error(self, waiting_for: str) -> CommTimeoutError:
-        """The error, with where every rank is (plait.health) and the flight record logged."""
-        return self.comm._health.timeout_error(
-            self, f"{self.where}: timed out after {self.comm.timeout:g} s waiting for "
-                  f"{waiting_for}")
 
 
 class Waiter:
@@ -88,7 +64,7 @@ class Waiter:
                 self.bell.awake()
 
 
-def _progress_all(reqs: list[Req]) -> bool:
+def _progress_all(reqs: list[Request]) -> bool:
     moved = False
     for r in reqs:
         if not r.done and r.progress():
@@ -96,12 +72,13 @@ def _progress_all(reqs: list[Req]) -> bool:
     return moved
 
 
-def run(comm: Communicator, ctx: OpCtx, sched: Schedule, inbuf: np.ndarray | None,
-        outbuf: np.ndarray | None, reducer: Reducer | None, storage: np.dtype) -> None:
-    """Execute ``sched`` for this rank. Buffers are flat numpy views of storage dtype."""
+def run(ctx: OpCtx, sched: Schedule, inbuf: np.ndarray | None, outbuf: np.ndarray | None,
+        reducer: Reducer | None, storage: np.dtype, channel: Callable[[int], Channel],
+        waiter: Waiter) -> None:
+    """Execute ``sched`` for this rank. Buffers are flat numpy views of storage dtype;
+    ``channel(peer)`` gives the channel to a peer."""
     tmp = np.empty(sched.tmp, dtype=storage)
     bufs = (inbuf, outbuf, tmp)
-    chans = comm._channels
     msg_idx: dict[tuple[int, bool], int] = {}
     for step in sched.steps:
         for op in step.local:
@@ -118,24 +95,25 @@ def run(comm: Communicator, ctx: OpCtx, sched: Schedule, inbuf: np.ndarray | Non
                 reducer(d, s)
         if not step.xfers:
             continue
-        reqs: list[Req] = []
+        reqs: list[Request] = []
         for x in step.xfers:
             buf = bufs[x.buf]
             assert buf is not None or x.count == 0
             view = buf[x.off:x.off + x.count] if buf is not None else np.empty(0, storage)
-            key = (x.peer, isinstance(x, Send))
+            is_send = isinstance(x, Send)
+            key = (x.peer, is_send)
             idx = msg_idx.get(key, 0)
             msg_idx[key] = idx + 1
-            ch = chans(x.peer, ctx)
-            if isinstance(x, Send):
+            ch = channel(x.peer)
+            if is_send:
                 reqs.append(ch.send(view.view(np.uint8), ctx, idx))
             else:
-                assert isinstance(x, Recv)
                 reqs.append(ch.recv(view, reducer if x.reduce else None, ctx, idx))
-        wait_reqs(comm, ctx, reqs)
+        wait_reqs(ctx, reqs, waiter)
 
 
-def wait_reqs(comm: Communicator, ctx: OpCtx, reqs: list[Req]) -> None:
+def wait_reqs(ctx: OpCtx, reqs: list[Request], waiter: Waiter) -> None:
+    """Progress ``reqs`` until every one is done."""
     pending = reqs
 
     def ready() -> bool:
@@ -146,8 +124,8 @@ def wait_reqs(comm: Communicator, ctx: OpCtx, reqs: list[Req]) -> None:
         return not pending
 
     def waiting_for() -> str:
-        sends = sorted({r.peer for r in pending if isinstance(r, (ShmSend, TcpSend))})
-        recvs = sorted({r.peer for r in pending if not isinstance(r, (ShmSend, TcpSend))})
+        sends = sorted({r.peer for r in pending if r.is_send})
+        recvs = sorted({r.peer for r in pending if not r.is_send})
         parts = []
         if recvs:
             parts.append("data from rank " + ", ".join(map(str, recvs)))
@@ -155,6 +133,5 @@ def wait_reqs(comm: Communicator, ctx: OpCtx, reqs: list[Req]) -> None:
             parts.append("rank " + ", ".join(map(str, sends)) + " to take data")
         return " and ".join(parts) or "nothing"
 
-    local_only = all(isinstance(r, (ShmSend, ShmRecv)) for r in reqs)
-    comm._waiter.wait(ready, ctx, waiting_for, spin=local_only)
-
+    local_only = all(r.driven_by == CALLER for r in reqs)
+    waiter.wait(ready, ctx, waiting_for, spin=local_only)

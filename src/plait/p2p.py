@@ -3,7 +3,9 @@ collectives.
 
 Receiving is done by threads that always drain: TCP reader threads, and for shared memory
 one drainer thread per communicator (started at the first point-to-point call) that empties
-the incoming point-to-point rings. A frame that opens a message is matched, in post order,
+the incoming point-to-point rings (transport/shm_link.py). Sends to one peer keep their
+order through a queue per peer (``SendQueue``); ``PointToPoint`` is the communicator's
+side of all this. A frame that opens a message is matched, in post order,
 against posted receives (``src=None`` matches any source); unmatched messages wait in an
 unexpected list until a receive claims them. So a receive posted before the send never
 blocks the send, and sends complete as soon as the data is handed over.
@@ -11,24 +13,20 @@ blocks the send, and sends complete as soon as the data is handed over.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
 import numpy as np
 
-from .errors import MismatchError, PeerFailedError
+from .errors import ClosedError, MismatchError
+from .executor import Waiter
 from .transport import wire
-from .transport.channels import ShmRing
+from .transport.base import OpCtx, ReadInto, Transport
 from .transport.futex import Bell
-from .transport.shm import KIND_P2P, Segment
-
-if TYPE_CHECKING:
-    from .comm import Work
-
-ReadInto = Callable[[np.ndarray], None]
+from .work import Work, done_work
 
 
 class Recv:
@@ -91,7 +89,7 @@ class Engine:
                     break
             else:
                 if req.src is not None and req.src in self.failed:
-                    req.work._fail(self.failed[req.src])
+                    req.work.fail(self.failed[req.src])
                     return
                 self.posted.append(req)
         if finish is not None:
@@ -105,13 +103,13 @@ class Engine:
         req = m.claimed
         assert req is not None
         if m.error is not None:
-            req.work._fail(m.error)
+            req.work.fail(m.error)
         elif m.total != req.n:
-            req.work._fail(self._size_error(req, m))
+            req.work.fail(self._size_error(req, m))
         else:
             if m.buf is not None and m.total:
                 np.copyto(req.dst, m.buf)
-            req.work._finish(m.src)
+            req.work.finish(m.src)
 
     def on_frame(self, src: int, f: wire.Frame, read_into: ReadInto) -> None:
         """Called by a reader/drainer with ``f.length`` payload bytes still to read."""
@@ -184,121 +182,166 @@ class Engine:
             self.posted = [r for r in self.posted if r.src != peer]
             partial = [m for (s, _), m in self.inflight.items() if s == peer]
         for r in doomed:
-            r.work._fail(exc)
+            r.work.fail(exc)
         for m in partial:
             m.error = exc
             if m.claimed is not None:
-                m.claimed.work._fail(exc)
+                m.claimed.work.fail(exc)
 
     def fail_all(self, exc: BaseException) -> None:
         with self.lock:
             doomed = self.posted
             self.posted = []
         for r in doomed:
-            r.work._fail(exc)
+            r.work.fail(exc)
 
 
-class ShmSender:
-    """Writes point-to-point messages into the ring to one local peer."""
+class SendQueue:
+    """Keeps sends to one peer in order; async sends progress on a thread of their own so
+    that a send waiting for a slow receiver never holds up others."""
 
-    def __init__(self, seg: Segment, me: int, peer_local: int, peer: int, my_bell: Bell,
-                 peer_bell: Bell) -> None:
-        self.ring = ShmRing(seg, KIND_P2P, me, peer_local)
+    def __init__(self, rank: int, peer: int) -> None:
+        self.rank = rank
         self.peer = peer
-        self.my_bell = my_bell
-        self.peer_bell = peer_bell
-        self.lock = threading.Lock()
-        self.seq = 0
+        self.cv = threading.Condition()
+        self.items: deque[tuple[Callable[[], None], Work]] = deque()
+        self.busy = False
+        self.closed = False
+        self.thread: threading.Thread | None = None
 
-    def send(self, tag: int, data: np.ndarray, wait_space: Callable[[Callable[[], bool]], None]
-             ) -> None:
-        r = self.ring
-        with self.lock:
-            seq = self.seq
-            self.seq += 1
-            total = len(data)
-            nchunks = max(1, -(-total // r.chunk))
-            ctl = r.ctl
+    def submit(self, fn: Callable[[], None], async_op: bool) -> Work | None:
+        with self.cv:
+            if not async_op and not self.busy and not self.items:
+                self.busy = True
+                inline = True
+            else:
+                inline = False
+                work = Work()
+                self.items.append((fn, work))
+                if self.thread is None:
+                    self.thread = threading.Thread(target=self._loop, daemon=True,
+                                                   name=f"plait-send-r{self.rank}-{self.peer}")
+                    self.thread.start()
+                self.cv.notify_all()
+        if inline:
+            try:
+                fn()
+            finally:
+                with self.cv:
+                    self.busy = False
+                    self.cv.notify_all()
+            return None
+        if async_op:
+            return work
+        work.wait()
+        return None
 
-            def has_space() -> bool:
-                return int(ctl[0]) - int(ctl[8]) < r.nslots
-
-            for i in range(nchunks):
-                if not has_space():
-                    wait_space(has_space)
-                head = int(ctl[0])
-                s = head % r.nslots
-                off = i * r.chunk
-                m = min(r.chunk, total - off)
-                if m > 0:
-                    np.copyto(r.payload[s, :m], data[off:off + m])
-                h = r.hdr
-                h[s, 0], h[s, 1], h[s, 2], h[s, 3], h[s, 4] = tag, seq, off, m, total
-                ctl[0] = head + 1
-                self.peer_bell.ring()
-
-
-class Drainer:
-    """The thread that empties this rank's incoming point-to-point rings."""
-
-    def __init__(self, engine: Engine, rings: list[tuple[int, ShmRing, Bell]], bell: Bell,
-                 spin_s: float, name: str) -> None:
-        self.engine = engine
-        self.rings = rings  # (peer rank, ring peer -> me, the peer's p2p bell)
-        self.bell = bell
-        self.spin_s = spin_s
-        self.stop = False
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.thread.start()
-
-    def _pending(self) -> bool:
-        return any(int(r.ctl[0]) != int(r.ctl[8]) for _, r, _ in self.rings)
-
-    def _drain(self) -> bool:
-        moved = False
-        for peer, r, peer_bell in self.rings:
-            ctl = r.ctl
-            while int(ctl[8]) < int(ctl[0]):
-                tail = int(ctl[8])
-                s = tail % r.nslots
-                h = r.hdr
-                tag, seq, off, m, total = h[s, 0], h[s, 1], h[s, 2], h[s, 3], h[s, 4]
-                f = wire.Frame(wire.KIND_P2P, tag, seq, off, m, total)
-                payload = r.payload[s, :m]
-
-                def read(dst: np.ndarray, _p: Any = payload) -> None:
-                    np.copyto(dst, _p)
-
-                self.engine.on_frame(peer, f, read)
-                ctl[8] = tail + 1
-                peer_bell.ring()
-                moved = True
-        return moved
-
-    def _run(self) -> None:
-        try:
-            spin_until = 0.0
-            while not self.stop:
-                if self._drain():
-                    spin_until = time.monotonic() + self.spin_s
-                    continue
-                if time.monotonic() < spin_until:
-                    os.sched_yield()
-                    continue
-                seen = self.bell.snapshot()
-                try:
-                    if not self._pending() and not self.stop:
-                        self.bell.sleep(seen, 0.05)
-                finally:
-                    self.bell.awake()
-        except BaseException as exc:
-            self.error = exc
-            self.engine.fail_all(PeerFailedError(f"rank {self.engine.rank}: point-to-point "
-                                                 f"receiver failed: {exc!r}"))
+    def _loop(self) -> None:
+        while True:
+            with self.cv:
+                while (self.busy or not self.items) and not self.closed:
+                    self.cv.wait()
+                if not self.items:
+                    return
+                fn, work = self.items.popleft()
+                self.busy = True
+            try:
+                fn()
+            except BaseException as exc:
+                work.fail(exc)
+            else:
+                work.finish()
+            finally:
+                with self.cv:
+                    self.busy = False
+                    self.cv.notify_all()
 
     def close(self) -> None:
-        self.stop = True
-        self.bell.ring()  # changes the word, so a sleep about to start returns at once
-        if self.thread is not threading.current_thread():
-            self.thread.join(timeout=5)
+        with self.cv:
+            self.closed = True
+            items = list(self.items)
+            self.items.clear()
+            self.cv.notify_all()
+        for _, w in items:
+            w.fail(ClosedError(f"rank {self.rank}: the communicator was closed"))
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=10)
+
+
+class Links(Protocol):
+    """What point to point needs of the fabric."""
+
+    p2p_bell: Bell
+    spin_s: float
+
+    def transport_for(self, peer: int) -> Transport: ...
+
+    def start_p2p(self) -> None: ...
+
+
+class PointToPoint:
+    """One communicator's point-to-point side: the matching engine, a send queue per
+    peer, and the transports' point-to-point paths."""
+
+    def __init__(self, rank: int, timeout: float, check: Callable[[], None],
+                 on_timeout: Callable[[OpCtx, str], BaseException],
+                 seq: Callable[[], int]) -> None:
+        self.rank = rank
+        self.timeout = timeout
+        self._links: Links | None = None  # bound once the transports are open
+        self.check = check
+        self.on_timeout = on_timeout
+        self.seq = seq  # the communicator's collective sequence number, for messages
+        self.engine = Engine(rank)
+        self._queues: dict[int, SendQueue] = {}
+        self._lock = threading.Lock()
+
+    def bind(self, links: Links) -> None:
+        """The transports, opened with ``engine`` as their point-to-point sink."""
+        self._links = links
+
+    @property
+    def links(self) -> Links:
+        if self._links is None:
+            raise ClosedError(f"rank {self.rank}: the communicator is closed")
+        return self._links
+
+    def send(self, data: np.ndarray, dst: int, tag: int, op: str, async_op: bool
+             ) -> Work | None:
+        if dst == self.rank:
+            self.engine.deliver_local(tag, data.copy())
+            return done_work() if async_op else None
+        self.links.start_p2p()
+        q = self._queues.get(dst)
+        if q is None:
+            with self._lock:
+                q = self._queues.setdefault(dst, SendQueue(self.rank, dst))
+        return q.submit(lambda: self._send_now(dst, tag, data, op), async_op)
+
+    def _send_now(self, dst: int, tag: int, data: np.ndarray, op: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        ctx = OpCtx(self.rank, op, self.seq(), deadline, self.timeout, self.on_timeout)
+        links = self.links
+        waiter = Waiter(links.p2p_bell, links.spin_s, self.check)
+
+        def wait_for(ready: Callable[[], bool], what: str) -> None:
+            waiter.wait(ready, ctx, lambda: what)
+
+        links.transport_for(dst).send_p2p(dst, tag, data, deadline, wait_for)
+
+    def recv(self, dst: np.ndarray, src: int | None, tag: int, op: str) -> Work:
+        self.links.start_p2p()
+        who = "any rank" if src is None else f"rank {src}"
+        where = f"rank {self.rank}, {op}"
+        work = Work(self.timeout, f"{where} from {who} with tag {tag}")
+        self.engine.post(Recv(dst, src, tag, work, where))
+        return work
+
+    def peer_failed(self, peer: int, exc: BaseException) -> None:
+        self.engine.peer_failed(peer, exc)
+
+    def close(self, exc: BaseException) -> None:
+        self.engine.fail_all(exc)
+        for q in list(self._queues.values()):
+            q.close()
+        self._links = None

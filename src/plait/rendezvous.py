@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
+
+from .errors import CommTimeoutError
 
 # (rank variable, size variable, launcher) in priority order: first match wins.
 LAUNCHERS = (
@@ -36,6 +39,48 @@ def launcher_rank_size(env: Mapping[str, str] | None = None) -> tuple[int, int, 
     raise ValueError("plait.init(): no rank/world size given and no launcher variables found "
                      "(RANK/WORLD_SIZE, OMPI_COMM_WORLD_RANK/SIZE, PMI_RANK/PMI_SIZE, "
                      "SLURM_PROCID/SLURM_NTASKS)")
+
+
+def restart_attempt(env: Mapping[str, str] | None = None) -> int | None:
+    """torchrun's restart count (TORCHELASTIC_RESTART_COUNT) where every rank shares it, else
+    None.
+
+    One torchrun agent counts the restarts of its own node's workers. With one agent
+    (GROUP_WORLD_SIZE 1: every rank on one node) all ranks see the same count. With
+    several, they may not: an agent whose workers failed counts a restart, while another
+    whose workers were still running restarts them for the membership change without
+    counting (torch.distributed.elastic's agent: "membership changes do not count as
+    retries"), so the count cannot name an attempt there.
+    """
+    env = os.environ if env is None else env
+    raw = env.get("TORCHELASTIC_RESTART_COUNT")
+    if raw is None or env.get("GROUP_WORLD_SIZE", "1") != "1":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"TORCHELASTIC_RESTART_COUNT={raw!r} is not an integer") from None
+
+
+def key_prefix(store: Any, rank: int, size: int, env: Mapping[str, str] | None = None) -> str:
+    """The store key prefix of a new communicator of ``size`` ranks on ``store``.
+
+    Several communicators may be made on one store (``plait.init`` called again, torch
+    groups on prefixes of one store): each init adds itself to a counter on the store, and
+    the ``size`` inits numbered ``g*size+1 .. (g+1)*size`` make generation ``g``.
+
+    torchrun's agent keeps its store across restarts, counter included. If a rank of a
+    failed attempt never reached init, the restarted ranks would count from different
+    points and disagree on the generation: under torchrun the counter therefore lives
+    under the restart attempt (:func:`restart_attempt`), so each attempt counts from zero.
+    """
+    try:
+        attempt = restart_attempt(env)
+    except ValueError as exc:
+        raise ValueError(f"rank {rank}, init: {exc}") from None
+    base = "plait" if attempt is None else f"plait/r{attempt}"
+    count = int(store.add(f"{base}/inits", 1))
+    return f"{base}/{(count - 1) // size}"
 
 
 def store_from_env(rank: int, size: int, timeout_s: float,
@@ -126,3 +171,47 @@ def bind_address(ifnames: str, store: Any, env: Mapping[str, str] | None = None,
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+class Meeting:
+    """One communicator's keys in the store (``<prefix>/<key>``), with plait's deadlines:
+    a store's own timeout may be shorter or longer than the operation's."""
+
+    def __init__(self, store: Any, prefix: str) -> None:
+        self.store = store
+        self.prefix = prefix
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}/{name}"
+
+    def child(self, tag: str) -> Meeting:
+        """The keys of a communicator derived from this one."""
+        return Meeting(self.store, f"{self.prefix}/{tag}")
+
+    def set(self, name: str, value: str | bytes) -> None:
+        self.store.set(self.key(name), value)
+
+    def check(self, name: str) -> bool:
+        return bool(self.store.check([self.key(name)]))
+
+    def add(self, name: str, amount: int) -> int:
+        return int(self.store.add(self.key(name), amount))
+
+    def get(self, name: str, timeout_s: float) -> bytes:
+        """The value, once some rank has set it; CommTimeoutError naming the key after
+        ``timeout_s``."""
+        return wait_key(self.store, self.key(name), timeout_s)
+
+
+def wait_key(store: Any, key: str, timeout_s: float) -> bytes:
+    """store.get with our deadline: poll ``check`` with a growing sleep."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.0005
+    while True:
+        if store.check([key]):
+            return bytes(store.get(key))
+        if time.monotonic() > deadline:
+            raise CommTimeoutError(f"rendezvous: key {key!r} did not appear within "
+                                   f"{timeout_s:g} s (did every rank join?)")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)

@@ -10,7 +10,20 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .schedule import IN, OUT, TMP, Copy, Recv, Schedule, Send, Step, offsets
+from .schedule import (
+    IN,
+    OUT,
+    TMP,
+    Args,
+    Copy,
+    Counts,
+    Recv,
+    Schedule,
+    Send,
+    Step,
+    ceil_log2,
+    offsets,
+)
 
 
 @lru_cache(maxsize=256)
@@ -31,3 +44,17 @@ def schedule(rank: int, size: int, counts: tuple[int, ...]) -> Schedule:
     copies = tuple(Copy(TMP, roff[i], OUT, off[(rank + i) % size], rot[i]) for i in range(size))
     steps.append(Step(local=copies))
     return Schedule(tuple(steps), tmp=roff[size], name="bruck")
+
+
+def plan(op: str, a: Args) -> Schedule:
+    del op  # allgather and allgatherv alike
+    return schedule(a.rank, a.size, a.counts)
+
+
+def counts(op: str, n: int, nbytes: int) -> Counts:
+    """ceil(log2 n) steps of one message per rank. Over all ranks, step k sends every
+    block min(k, n-k) times, and those multiplicities add up to n - 1: every block reaches
+    the n - 1 others once."""
+    del op
+    steps = ceil_log2(n)
+    return Counts(steps, n * steps, (n - 1) * nbytes)

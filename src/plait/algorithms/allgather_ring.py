@@ -11,7 +11,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from .peers import ring_neighbours
-from .schedule import IN, OUT, Copy, Recv, Schedule, Send, Step, offsets
+from .schedule import IN, OUT, Args, Copy, Counts, Recv, Schedule, Send, Step, offsets
 
 
 @lru_cache(maxsize=256)
@@ -26,3 +26,14 @@ def schedule(rank: int, size: int, counts: tuple[int, ...], in_place: bool = Fal
         steps.append(Step(xfers=(Send(right, OUT, off[s], counts[s]),
                                  Recv(left, OUT, off[r], counts[r]))))
     return Schedule(tuple(steps), name="ring")
+
+
+def plan(op: str, a: Args) -> Schedule:
+    del op  # allgather and allgatherv alike
+    return schedule(a.rank, a.size, a.counts)
+
+
+def counts(op: str, n: int, nbytes: int) -> Counts:
+    """n - 1 steps of one message per rank; every block travels to the n - 1 others."""
+    del op
+    return Counts(n - 1, n * (n - 1), (n - 1) * nbytes)

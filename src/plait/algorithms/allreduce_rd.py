@@ -14,7 +14,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from .peers import rd_layout, rd_newrank, rd_oldrank
-from .schedule import OUT, TMP, Recv, Reduce, Schedule, Send, Step
+from .schedule import OUT, TMP, Args, Counts, Recv, Reduce, Schedule, Send, Step
 
 
 @lru_cache(maxsize=256)
@@ -43,3 +43,21 @@ def schedule(rank: int, size: int, count: int) -> Schedule:
         else:
             steps.append(Step(xfers=(Send(rank - 1, OUT, 0, count),)))
     return Schedule(tuple(steps), tmp=count, name="rd")
+
+
+def plan(op: str, a: Args) -> Schedule:
+    del op  # allreduce only
+    return schedule(a.rank, a.size, a.counts[0])
+
+
+def counts(op: str, n: int, nbytes: int) -> Counts:
+    """log2 p exchange steps for the p participants (p sends each), and, when n is not a
+    power of two, the pairing and the result sent back (rem messages each way): the odd
+    rank of a pair is busy log2 p + 2 steps. Every message carries the whole buffer."""
+    del op
+    if n == 1:
+        return Counts(0, 0, 0)
+    p, rem = rd_layout(n)
+    rounds = p.bit_length() - 1
+    messages = p * rounds + 2 * rem
+    return Counts(rounds + (2 if rem else 0), messages, messages * nbytes)

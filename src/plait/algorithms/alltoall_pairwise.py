@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .schedule import IN, OUT, Copy, Recv, Schedule, Send, Step, offsets
+from .schedule import IN, OUT, Args, Copy, Counts, Recv, Schedule, Send, Step, offsets
 
 
 @lru_cache(maxsize=256)
@@ -23,3 +23,16 @@ def schedule(rank: int, size: int, send_counts: tuple[int, ...],
         steps.append(Step(xfers=(Send(dst, IN, soff[dst], send_counts[dst]),
                                  Recv(src, OUT, roff[src], recv_counts[src]))))
     return Schedule(tuple(steps), name="pairwise")
+
+
+def plan(op: str, a: Args) -> Schedule:
+    del op  # alltoall and alltoallv alike
+    return schedule(a.rank, a.size, a.counts, a.recv_counts)
+
+
+def counts(op: str, n: int, nbytes: int) -> Counts:
+    """n - 1 steps of one message per rank; a rank sends all of its ``nbytes`` but its own
+    block, and over all ranks the own blocks add up to one rank's ``nbytes`` (the blocks
+    are split evenly, as ``registry.model_args`` does)."""
+    del op
+    return Counts(n - 1, n * (n - 1), (n - 1) * nbytes)

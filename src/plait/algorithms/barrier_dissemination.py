@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .schedule import OUT, Recv, Schedule, Send, Step
+from .schedule import OUT, Args, Counts, Recv, Schedule, Send, Step, ceil_log2
 
 
 @lru_cache(maxsize=64)
@@ -21,3 +21,15 @@ def schedule(rank: int, size: int) -> Schedule:
                                  Recv((rank - k) % size, OUT, 0, 0))))
         k <<= 1
     return Schedule(tuple(steps), name="dissemination")
+
+
+def plan(op: str, a: Args) -> Schedule:
+    del op  # barrier only
+    return schedule(a.rank, a.size)
+
+
+def counts(op: str, n: int, nbytes: int) -> Counts:
+    """ceil(log2 n) rounds of one empty message per rank."""
+    del op, nbytes
+    steps = ceil_log2(n)
+    return Counts(steps, n * steps, 0)

@@ -4,13 +4,17 @@ Ranks form a chain from the root (position p = (r - root) mod n). The buffer is 
 K pieces; the rank at position p receives piece c at step c + p - 1 and forwards it at
 step c + p, so all links are busy at once. Steps: K + n - 2. Cost:
 (K + n - 2) (alpha + S/K beta), close to S beta for K >> n.
+
+K (``pieces``): every piece costs a step, a round trip, so pieces are large: at least
+1 MiB, and at most 64 of them; two ranks have nothing to pipeline and send one message.
+The executor and the cost model both plan through ``plan``, so both use this K.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
 
-from .schedule import OUT, Recv, Schedule, Send, Step, offsets, split_even
+from .schedule import OUT, Args, Counts, Recv, Schedule, Send, Step, offsets, split_even
 
 
 @lru_cache(maxsize=256)
@@ -33,3 +37,26 @@ def schedule(rank: int, size: int, count: int, root: int, pieces: int) -> Schedu
             xfers.append(Recv(prev, OUT, off[c_recv], seg[c_recv]))
         steps.append(Step(xfers=tuple(xfers)))
     return Schedule(tuple(steps), name="chain")
+
+
+def pieces(size: int, nbytes: int) -> int:
+    """K for a broadcast of ``nbytes`` over ``size`` ranks (see the module docstring)."""
+    piece = max(1 << 20, nbytes // 64)
+    return 1 if size == 2 else max(1, nbytes // piece)
+
+
+def plan(op: str, a: Args) -> Schedule:
+    del op  # broadcast only
+    count = a.counts[0]
+    return schedule(a.rank, a.size, count, a.root, pieces(a.size, count * a.itemsize))
+
+
+def counts(op: str, n: int, nbytes: int) -> Counts:
+    """Every rank but the last forwards all K pieces, so (n-1) K messages and (n-1) S
+    bytes; a rank inside the chain is busy K + 1 steps (it receives piece c while it sends
+    piece c-1), the two ends K steps."""
+    del op
+    if n == 1:
+        return Counts(0, 0, 0)
+    k = max(1, min(pieces(n, nbytes), nbytes)) if nbytes else 1  # as ``schedule`` clamps
+    return Counts(k + 1 if n > 2 else k, (n - 1) * k, (n - 1) * nbytes)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from .peers import binomial_children, binomial_parent
-from .schedule import OUT, Recv, Schedule, Send, Step
+from .schedule import OUT, Args, Counts, Recv, Schedule, Send, Step, ceil_log2
 
 
 @lru_cache(maxsize=256)
@@ -23,3 +23,15 @@ def schedule(rank: int, size: int, count: int, root: int) -> Schedule:
     for child in binomial_children(v, size):
         steps.append(Step(xfers=(Send((child + root) % size, OUT, 0, count),)))
     return Schedule(tuple(steps), name="tree")
+
+
+def plan(op: str, a: Args) -> Schedule:
+    del op  # broadcast only
+    return schedule(a.rank, a.size, a.counts[0], a.root)
+
+
+def counts(op: str, n: int, nbytes: int) -> Counts:
+    """The root sends ceil(log2 n) times (no other rank has more steps: one receive plus
+    fewer children); every rank but the root receives the whole buffer once."""
+    del op
+    return Counts(ceil_log2(n), n - 1, (n - 1) * nbytes)

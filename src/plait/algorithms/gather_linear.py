@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .schedule import IN, OUT, Copy, Recv, Schedule, Send, Step
+from .schedule import IN, OUT, Args, Copy, Counts, Recv, Schedule, Send, Step
 
 
 @lru_cache(maxsize=256)
@@ -28,3 +28,17 @@ def scatter(rank: int, size: int, count: int, root: int) -> Schedule:
     xfers = tuple(Send(i, IN, i * count, count) for i in range(size) if i != root)
     return Schedule((Step(local=(Copy(IN, root * count, OUT, 0, count),), xfers=xfers),),
                     name="linear")
+
+
+def plan(op: str, a: Args) -> Schedule:
+    fn = gather if op == "gather" else scatter
+    return fn(a.rank, a.size, a.counts[0], a.root)
+
+
+def counts(op: str, n: int, nbytes: int) -> Counts:
+    """One step; n - 1 messages of one rank's block (``nbytes // n``: ``nbytes`` is the
+    root's whole buffer), to the root (gather) or from it (scatter)."""
+    del op
+    if n == 1:
+        return Counts(0, 0, 0)
+    return Counts(1, n - 1, (n - 1) * (nbytes // n))

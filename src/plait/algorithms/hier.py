@@ -1,7 +1,7 @@
 """Hierarchical (topology-aware, rail-aligned) collectives: compositions of flat
 collectives on two sub-communicators, each phase chosen by the same selector.
 
-Semantics: those of the flat operation. Preconditions (``selector.feasible``): the
+Semantics: those of the flat operation. Preconditions (``registry``'s hier entry): the
 communicator spans H >= 2 hosts and every host has the same number L >= 2 of ranks.
 Hosts are taken in topology order (``topology.host_order``: hosts of one switch adjacent),
 and ``G[B][j]`` is the j-th lowest rank on host B. Each rank (B, i) belongs to
@@ -13,9 +13,10 @@ and ``G[B][j]`` is the j-th lowest rank on host B. Each rank (B, i) belongs to
   in parallel, each carrying 1/L of the data (rail-aligned, as in NCCL/ACCL).
 
 The sub-communicators are made at the first hierarchical operation, which every rank
-reaches in the same order; they use the store directly (no collective on the parent, which
-is busy running this operation). No transport code here: only the sub-communicators'
-public operations (and, for uneven reduce-scatter blocks, a ring schedule run on one).
+reaches in the same order, by the parent's ``make(tag, ranks)`` (``Communicator._derive``:
+through the store, no collective on the parent, which is busy running this operation).
+No transport code here, and no knowledge of the Communicator class: only the public
+operations of the ``SubGroup`` protocol (algorithms/group.py).
 
 Steps, bytes and cost, with S the message size, alpha/beta_s shared memory, alpha/beta_n
 a rail (each rail carries its own flow):
@@ -38,19 +39,16 @@ a rail (each rail carries its own flow):
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..buffers import Buf
 from ..reduce import ReduceOp
 from ..topology.order import host_order
-from . import reduce_scatter_ring
+from .group import SubGroup
 from .schedule import offsets, split_even
-
-if TYPE_CHECKING:
-    from ..comm import Communicator
 
 
 def _sub_op(rop: ReduceOp) -> ReduceOp:
@@ -58,37 +56,64 @@ def _sub_op(rop: ReduceOp) -> ReduceOp:
     return ReduceOp.SUM if rop is ReduceOp.AVG else rop
 
 
+class HierCall(Protocol):
+    """What a hierarchical operation is given (plait.comm.Call)."""
+
+    op: str
+    sbuf: Buf | None
+    rbuf: Buf | None
+    rop: ReduceOp | None
+    root: int
+    counts: Sequence[int]
+    recv_counts: Sequence[int]
+
+
+MakeGroup = Callable[[str, Sequence[int]], SubGroup]
+"""``make(tag, ranks)``: the sub-communicator of the parent's ranks ``ranks`` (in that
+order) under key ``tag``."""
+
+
 class Hier:
     """The two sub-communicators of one communicator, and the hierarchical operations."""
 
-    def __init__(self, comm: Communicator) -> None:
-        from ..tuning import selector
-
-        topo = comm.topology
-        assert topo is not None  # set at rendezvous
+    def __init__(self, topo: Any, rank: int, make: MakeGroup) -> None:
         self.groups = [sorted(h.ranks) for h in host_order(topo)]
         self.H = len(self.groups)
         self.L = len(self.groups[0])
         if self.H < 2 or any(len(g) != self.L for g in self.groups):
-            raise ValueError(f"rank {comm.rank}: hierarchical algorithms need equal ranks per "
+            raise ValueError(f"rank {rank}: hierarchical algorithms need equal ranks per "
                              "host on at least two hosts")
-        self.b, self.i = next((b, g.index(comm.rank)) for b, g in enumerate(self.groups)
-                              if comm.rank in g)
-        # The phases choose flat algorithms by themselves; a user override naming only
-        # "hier" for an operation must not make them fail.
-        cfg = replace(comm._cfg, algo=selector.without(comm._cfg.algo, "hier"))
-        kw: dict[str, Any] = dict(store=comm._store, timeout=comm.timeout, cfg=cfg,
-                                  job=comm._job, secret=comm._secret,
-                                  host_local_rank=comm._host_local_rank)
-        cls = type(comm)
-        self.local = cls(rank=self.i, size=self.L, prefix=f"{comm._prefix}/hier/h{self.b}",
-                         **kw)
+        self.b, self.i = next((b, g.index(rank)) for b, g in enumerate(self.groups)
+                              if rank in g)
+        self.local = make(f"h{self.b}", self.groups[self.b])
         try:
-            self.rail = cls(rank=self.b, size=self.H,
-                            prefix=f"{comm._prefix}/hier/r{self.i}", **kw)
+            self.rail = make(f"r{self.i}", [g[self.i] for g in self.groups])
         except BaseException:
             self.local.close()
             raise
+
+    def describe(self) -> dict[str, Any]:
+        return {"hosts": self.H, "local": self.L, "local_group": self.local,
+                "rail_group": self.rail}
+
+    def run(self, call: HierCall) -> None:
+        """Run one operation (the parent's Call) hierarchically."""
+        s, r = call.sbuf, call.rbuf
+        op = call.op
+        if op == "allreduce" and r is not None and call.rop is not None:
+            self.allreduce(r, call.rop)
+        elif op == "broadcast" and r is not None:
+            self.broadcast(r, call.root)
+        elif op in ("allgather", "allgatherv") and s is not None and r is not None:
+            self.allgatherv(s, r, tuple(call.counts))
+        elif op == "reduce_scatter" and s is not None and r is not None \
+                and call.rop is not None:
+            self.reduce_scatter(s, r, call.rop)
+        elif op in ("alltoall", "alltoallv") and s is not None and r is not None:
+            self.alltoallv(s, tuple(call.counts), r, tuple(call.recv_counts),
+                           uniform=op == "alltoall")
+        else:
+            raise ValueError(f"hier cannot run {op}")
 
     def close(self) -> None:
         self.rail.close()
@@ -110,7 +135,7 @@ class Hier:
         if buf.count % self.L == 0:
             self.local.reduce_scatter(buf, mine, op)
         else:
-            _reduce_scatterv(self.local, buf, mine, tuple(counts), op)
+            self.local.reduce_scatterv(buf, mine, counts, op)
         # 2. rail allreduce of part i with local rank i of every other host
         self.rail.allreduce(mine, op)
         # 3. local allgather of the parts
@@ -225,22 +250,8 @@ class Hier:
                 p += rc[g]
 
     @staticmethod
-    def _a2a(sub: Communicator, s: Buf, sc: list[int], r: Buf, rc: list[int]) -> None:
+    def _a2a(sub: SubGroup, s: Buf, sc: list[int], r: Buf, rc: list[int]) -> None:
         if len(set(sc)) == 1 and sc == rc:  # equal blocks: alltoall (direct may apply)
             sub.alltoall(s, r)
         else:
             sub.alltoallv(s, sc, r, rc)
-
-
-def _reduce_scatterv(sub: Communicator, s: Buf, r: Buf, counts: tuple[int, ...],
-                     op: ReduceOp) -> None:
-    """Reduce-scatter with uneven blocks (the public one takes equal blocks): the ring
-    schedule, run on the sub-communicator as one of its operations."""
-    _, reducer = sub._reducer(op, s, "reduce_scatter")
-    sarr, rarr = s.arr, r.arr
-
-    def fn(ctx: Any) -> None:
-        sub._run(ctx, reduce_scatter_ring.schedule(sub.rank, sub.size, counts), sarr, rarr,
-                 reducer, rarr.dtype)
-
-    sub._submit("reduce_scatter", fn, False)

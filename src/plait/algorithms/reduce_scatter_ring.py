@@ -14,7 +14,19 @@ from __future__ import annotations
 from functools import lru_cache
 
 from .peers import ring_neighbours
-from .schedule import IN, OUT, TMP, Copy, Recv, Schedule, Send, Step, offsets
+from .schedule import (
+    IN,
+    OUT,
+    TMP,
+    Args,
+    Copy,
+    Counts,
+    Recv,
+    Schedule,
+    Send,
+    Step,
+    offsets,
+)
 
 
 @lru_cache(maxsize=256)
@@ -33,3 +45,15 @@ def schedule(rank: int, size: int, counts: tuple[int, ...]) -> Schedule:
                           xfers=(Send(right, src_buf, off[s], counts[s]),
                                  Recv(left, dst_buf, dst_off, counts[t], reduce=True))))
     return Schedule(tuple(steps), tmp=off[-1], name="ring")
+
+
+def plan(op: str, a: Args) -> Schedule:
+    del op  # reduce_scatter and reduce_scatterv (uneven blocks) alike
+    return schedule(a.rank, a.size, a.counts)
+
+
+def counts(op: str, n: int, nbytes: int) -> Counts:
+    """n - 1 steps of one message per rank; each step sends every block once (``nbytes``
+    is the whole input of one rank: the n blocks)."""
+    del op
+    return Counts(n - 1, n * (n - 1), (n - 1) * nbytes)

@@ -12,7 +12,20 @@ from __future__ import annotations
 from functools import lru_cache
 
 from .peers import binomial_children, binomial_parent
-from .schedule import IN, OUT, TMP, Copy, Recv, Reduce, Schedule, Send, Step
+from .schedule import (
+    IN,
+    OUT,
+    TMP,
+    Args,
+    Copy,
+    Counts,
+    Recv,
+    Reduce,
+    Schedule,
+    Send,
+    Step,
+    ceil_log2,
+)
 
 
 @lru_cache(maxsize=256)
@@ -29,3 +42,15 @@ def schedule(rank: int, size: int, count: int, root: int) -> Schedule:
     if parent is not None:
         steps.append(Step(xfers=(Send((parent + root) % size, acc, acc_off, count),)))
     return Schedule(tuple(steps), tmp=2 * count if size > 1 else 0, name="tree")
+
+
+def plan(op: str, a: Args) -> Schedule:
+    del op  # reduce only
+    return schedule(a.rank, a.size, a.counts[0], a.root)
+
+
+def counts(op: str, n: int, nbytes: int) -> Counts:
+    """The mirror of the tree broadcast: the root receives ceil(log2 n) times; every rank
+    but the root sends its partial result (the whole buffer) once."""
+    del op
+    return Counts(ceil_log2(n), n - 1, (n - 1) * nbytes)

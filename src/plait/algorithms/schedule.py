@@ -3,6 +3,11 @@
 Buffers are named by index: ``IN`` (the send buffer), ``OUT`` (the receive buffer; the
 same memory as IN for in-place operations) and ``TMP`` (scratch the executor allocates,
 ``Schedule.tmp`` elements). Offsets and counts are in elements.
+
+``Args`` (what an algorithm plans from) and ``Counts`` (its closed-form traffic) belong to
+the algorithm registry's API (``plait.algorithms.registry`` re-exports them); they are
+defined here so that the algorithm modules, which the registry imports, need not import
+the registry back.
 """
 
 from __future__ import annotations
@@ -62,6 +67,62 @@ class Schedule:
     steps: tuple[Step, ...]
     tmp: int = 0
     name: str = ""
+
+
+@dataclass(frozen=True)
+class Args:
+    """Planning input of one rank, counts in elements.
+
+    ``counts``: allreduce/reduce/broadcast ``(count,)``; allgather(v) every rank's count;
+    reduce_scatter(v) every rank's block count; alltoall(v) the send counts; gather and
+    scatter ``(count per rank,)``; barrier ``()``. ``recv_counts``: alltoall(v) only.
+    ``itemsize``: bytes per element (the chain broadcast sizes its pieces in bytes).
+    ``order``: the ring order from the topology (empty: identity), which the ring
+    allreduce follows.
+    """
+
+    rank: int
+    size: int
+    counts: tuple[int, ...] = ()
+    recv_counts: tuple[int, ...] = ()
+    root: int = 0
+    itemsize: int = 1
+    order: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Closed-form traffic of one operation, summed over all ranks.
+
+    ``steps``: the most steps with a transfer (Send or Recv) in any one rank's schedule,
+    i.e. that rank's latency term (a pipeline's overall length can be longer: the chain
+    broadcast's K + n - 2). ``messages``: Send transfers of all ranks, zero-byte ones
+    included. ``bytes``: bytes sent by all ranks.
+    """
+
+    steps: int
+    messages: int
+    bytes: int
+
+
+def relabel(sched: Schedule, order: tuple[int, ...]) -> Schedule:
+    """A schedule written for ring positions, with peers renamed to ranks: position p is
+    rank ``order[p]``."""
+    steps = []
+    for st in sched.steps:
+        xf: list[Send | Recv] = []
+        for x in st.xfers:
+            if isinstance(x, Send):
+                xf.append(Send(order[x.peer], x.buf, x.off, x.count))
+            else:
+                xf.append(Recv(order[x.peer], x.buf, x.off, x.count, x.reduce))
+        steps.append(Step(st.local, tuple(xf)))
+    return Schedule(tuple(steps), sched.tmp, sched.name)
+
+
+def ceil_log2(n: int) -> int:
+    """Rounds of an algorithm that doubles its reach each round (0 for n <= 1)."""
+    return (n - 1).bit_length() if n > 1 else 0
 
 
 def split_even(count: int, parts: int) -> list[int]:

@@ -12,11 +12,13 @@ Message sizes must agree between sender and receiver.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from ..topology.model import Topology
+from ..topology.order import Link, links
 from .schedule import Copy, Recv, Reduce, Schedule, Send
 
 
@@ -107,6 +109,21 @@ def simulate(scheds: Sequence[Schedule], inputs: Sequence[np.ndarray | None],
     if left:
         raise Deadlock(f"messages never received: {left}")
     return flows
+
+
+def flows_per_link(topo: Topology, flows: Iterable[Flow],
+                   ranks: Sequence[int] | None = None) -> dict[tuple[int, Link], int]:
+    """How many messages cross each link in each step. ``ranks`` maps the flows' ranks
+    (those of a sub-communicator) to the topology's ranks. (Here, not in topology/order.py:
+    topology is a lower layer than the algorithms and their flows.)"""
+    out: dict[tuple[int, Link], int] = {}
+    for f in flows:
+        if f.count == 0:
+            continue
+        s, d = (f.src, f.dst) if ranks is None else (ranks[f.src], ranks[f.dst])
+        for link in links(topo, s, d):
+            out[(f.step, link)] = out.get((f.step, link), 0) + 1
+    return out
 
 
 def _check_disjoint(rank: int, index: int, xfers: tuple[Send | Recv, ...]) -> None:

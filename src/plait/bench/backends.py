@@ -143,10 +143,10 @@ class PlaitBackend(Backend):
 
         algo, nbytes = seen[-1]
         try:
-            t = selector.estimate(op, algo, nbytes, self.comm._situation)
+            t = selector.estimate(op, algo, nbytes, self.comm.situation)
         except ValueError:
             return "+".join(algos)
-        return "+".join(algos) + " ~" + selector._fmt_s(t).replace(" ", "")
+        return "+".join(algos) + " ~" + selector.fmt_seconds(t).replace(" ", "")
 
     def close(self) -> None:
         self.comm.close()

@@ -31,10 +31,10 @@ import time
 from typing import TYPE_CHECKING, Any, TextIO
 
 from .options import BenchOptions
+from .results import Measurement, Row
 
 if TYPE_CHECKING:
     from .backends import Backend
-    from .loop import Measurement, Row
 
 FORMAT = "plait-bench/1"
 

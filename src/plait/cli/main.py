@@ -14,7 +14,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("plait.cli.demo", "launch local ranks, run every collective on both transports"),
     "bench": ("plait.bench.cli", "nccl-tests-style benchmark, with gloo and MPI side by side"),
-    "topo": ("plait.topology.cli", "print the job's topology (hosts, ranks, rails)"),
+    "topo": ("plait.cli.topo", "print the job's topology (hosts, ranks, rails)"),
     "testbed": ("plait.testbed.cli", "emulate a multi-host cluster with network namespaces"),
     "config": ("plait.cli.config", "print plait's settings and their documentation"),
     "flightrec": ("plait.cli.flightrec", "print flight records dumped on a timeout or failure"),

@@ -23,6 +23,15 @@ private torch name.
 - ``*Options.asyncOp``: set by ``torch.distributed``'s Python functions to the caller's
   ``async_op`` (C++ callers leave the default, True). A synchronous call can thus run
   inline and return a completed Work without a future.
+- ``ProcessGroup._device_types``: the devices a group serves. torch fills it only through
+  ``_register_backend``, which needs a C++ ``Backend`` (not constructible from Python)
+  and which ``_new_process_group_helper`` skips for a group that is a ``ProcessGroup``
+  subclass. So a Python group answers ``[]``, and torch's Python readers fail:
+  DCP ``async_save`` ("A CPU backend must be enabled"), ``_state_dict_utils.
+  _broadcast_tensors`` (``pg._device_types[0]``: IndexError) and
+  ``_get_pg_default_device`` ("Default device not found", DCP of FSDP1 models).
+  :class:`ServesDevices` overrides the property; C++ readers still see no backend, so
+  any path that would fetch a C++ backend through ``_get_backend`` fails loudly as before.
 """
 
 from __future__ import annotations
@@ -42,6 +51,22 @@ profiler_enabled: Callable[[], bool] = torch.autograd._profiler_enabled
 """True while torch.profiler or torch.autograd.profiler records on this thread (~0.2 us)."""
 
 _NO_TIMEOUT = datetime.timedelta(0)
+
+
+class ServesDevices:
+    """Mixin of a Python ``dist.ProcessGroup`` subclass: the devices the group serves.
+
+    ``SERVED_DEVICES`` names them; the subclass sets it. Every reader of
+    ``_device_types`` in torch 2.13's Python code (checkpoint, state_dict utilities,
+    ``_get_pg_default_device``, ``_device_capability``, object collectives) goes through
+    Python attribute lookup, which finds this property before the C++ one.
+    """
+
+    SERVED_DEVICES: tuple[str, ...] = ()
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device(d) for d in self.SERVED_DEVICES]
 
 
 def _reraise(fut: torch.futures.Future[Any]) -> Any:
@@ -100,6 +125,9 @@ def check() -> list[str]:
             problems.append(what)
 
     need(isinstance(getattr(dist, "_Work", None), type), "torch.distributed._Work is gone")
+    need(isinstance(getattr(dist.ProcessGroup, "_device_types", None), property),
+         "ProcessGroup._device_types is no longer a property (the devices a group serves "
+         "are read differently)")
     need(hasattr(dist.ProcessGroup, "_set_group_name"),
          "ProcessGroup._set_group_name is gone (group names are set differently)")
     need(hasattr(record_function, "_call_end_callbacks_on_future"),

@@ -46,10 +46,18 @@ from plait.config import Config
 from plait.reduce import ReduceOp
 
 from . import _compat
-from ._compat import WorkBase, profiler_enabled
+from ._compat import ServesDevices, WorkBase, profiler_enabled
 from .debug import ANY, CollectiveCheck
 
 BACKEND_NAME = "plait"
+# The devices whose tensors the group moves: CPU only. gloo answers cpu and cuda because it
+# stages CUDA tensors through host memory itself; plait refuses CUDA tensors. torch uses
+# the answer to place buffers (``_state_dict_utils._broadcast_tensors`` broadcasts on the
+# model's device only if the group serves it, else on the group's first device), so
+# claiming cuda would hand plait CUDA tensors it cannot move, while "cpu" alone makes torch
+# stage a CUDA model's state on the CPU, and ``_get_pg_default_device`` returns cpu without
+# gloo's "multiple backends" warning.
+DEVICES = ("cpu",)
 
 Tensor = torch.Tensor
 Finish = Callable[[], None]
@@ -125,6 +133,23 @@ class PlaitWork(WorkBase):  # type: ignore[misc]
         self.wait()
         src = self._works[0].source
         return -1 if src is None else int(src)
+
+    # -- what the coalescing manager combines (_end_coalescing) ----------------------
+    @property
+    def outputs(self) -> list[Tensor]:
+        """The output tensors, as the future's value lists them."""
+        return self._outputs
+
+    @property
+    def plait_works(self) -> Sequence[Any]:
+        """The plait operations under this Work (``wait(timeout)`` waits on them)."""
+        return self._works
+
+    def add_done_callback(self, fn: Callable[[torch.futures.Future[Any]], None]) -> None:
+        """Call ``fn(future)`` when the operation completes; ``future.value()`` raises its
+        error. On the future plait completes itself, not the profiled one handed to
+        callers (that one only adds the end of a profiler range)."""
+        self._fut.add_done_callback(fn)
 
     def source_rank(self) -> int:
         return self._source_rank()
@@ -246,8 +271,10 @@ def _run_finish(finish: list[Finish]) -> Finish | None:
     return run
 
 
-class ProcessGroupPlait(dist.ProcessGroup):  # type: ignore[misc]
+class ProcessGroupPlait(ServesDevices, dist.ProcessGroup):  # type: ignore[misc]
     """A torch.distributed process group whose operations run on a plait communicator."""
+
+    SERVED_DEVICES = DEVICES
 
     def __init__(self, store: dist.Store, rank: int, size: int,
                  timeout: datetime.timedelta | float | None = None, *,
@@ -691,7 +718,7 @@ class ProcessGroupPlait(dist.ProcessGroup):  # type: ignore[misc]
     def _end_coalescing(self, device: Any = None) -> WorkBase:
         works, self._coalesced = self._coalesced or [], None
         fut: torch.futures.Future[Any] = torch.futures.Future()
-        outputs = [t for w in works for t in w._outputs]
+        outputs = [t for w in works for t in w.outputs]
         if not works:
             fut.set_result(outputs)
             return PlaitWork(fut, [], outputs)
@@ -701,8 +728,8 @@ class ProcessGroupPlait(dist.ProcessGroup):  # type: ignore[misc]
             done.complete(_future_error(f))
 
         for w in works:
-            w._fut.add_done_callback(one_done)
-        return PlaitWork(fut, [w for pw in works for w in pw._works], outputs)
+            w.add_done_callback(one_done)
+        return PlaitWork(fut, [w for pw in works for w in pw.plait_works], outputs)
 
     # -- shutdown -------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -775,7 +802,7 @@ def register() -> None:
     with _lock:
         if BACKEND_NAME not in dist.Backend.backend_list:
             dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True,
-                                          devices=["cpu"])
+                                          devices=list(DEVICES))
         from . import rendezvous
 
         rendezvous.register()

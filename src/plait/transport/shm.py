@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PlaitError
+from . import liveness
 from .futex import Bell
 
 MAGIC = 0x504C414954534D31  # "PLAITSM1"
@@ -50,6 +51,7 @@ W_CMA_FROM = 18  # bit i set: this rank has verified it can read local rank i's 
 W_ABORT = 7  # abort notice: 1 + the lost rank, or negative (see plait.health)
 W_OP_SEQ = 8  # sequence number of the collective this rank is blocked in (slow path)
 W_OP_DONE = 9  # ... and of the last one it finished (diagnosis of timeouts)
+W_START = 10  # this process's start time (/proc/<pid>/stat field 22): with W_PID, who it is
 
 KIND_COLL = 0
 KIND_P2P = 1
@@ -171,6 +173,7 @@ def create(name: str, layout: Layout, me: int) -> Segment:
 def _stamp(seg: Segment, me: int) -> None:
     row = seg.ctl[me]
     row[W_PID] = os.getpid()
+    row[W_START] = liveness.start_time_of(os.getpid()) or 0
     row[W_NONCE] = int.from_bytes(os.urandom(7), "little") | 1
     row[W_NONCE_ADDR] = row[W_NONCE:].ctypes.data
     row[W_ATTACHED] = 1

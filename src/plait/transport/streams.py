@@ -26,7 +26,7 @@ import numpy as np
 
 from ..errors import ClosedError, PeerFailedError
 from . import wire
-from .channels import Req
+from .base import THREAD, Request
 from .futex import Bell
 from .tcp import Outbound, send_all
 
@@ -169,12 +169,14 @@ class Striper:
                 s.close()
 
 
-class StripedSend(Req):
+class StripedSend(Request):
     """A collective's message to one peer, striped: queued whole at the first
     ``progress()``, done when the sender threads have handed every frame to the kernel
     (they ring this rank's doorbell then)."""
 
     __slots__ = ("bell", "error", "finished", "idx", "seq", "src", "striper", "submitted")
+    is_send = True
+    driven_by = THREAD
 
     def __init__(self, peer: int, striper: Striper, src: np.ndarray, seq: int, idx: int,
                  bell: Bell) -> None:

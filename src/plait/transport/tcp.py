@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -68,6 +68,22 @@ def tune(sock: socket.socket) -> None:
             pass
 
 
+class Striper(Protocol):
+    """Several sockets of one connection (transport/streams.py), made by the factory the
+    hub is given: this module does not import streams, which builds on it."""
+
+    socks: list[socket.socket]  # every socket of the connection, the first one included
+
+    def send_message(self, kind: int, tag: int, seq: int, payload: np.ndarray) -> None: ...
+
+    def submit(self, kind: int, tag: int, seq: int, payload: np.ndarray,
+               done: Callable[[BaseException | None], None]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+StriperFactory = Callable[["Outbound", list[socket.socket], int], Striper]
+
 FrameHandler = Callable[[int, wire.Frame, socket.socket], None]
 """``handler(peer, frame, sock)`` must consume exactly ``frame.length`` payload bytes."""
 
@@ -82,7 +98,7 @@ class Outbound:
         self.lock = threading.Lock()
         self.p2p_seq = 0
         self.broken: BaseException | None = None
-        self.striper: Any = None  # streams.Striper when the connection has several sockets
+        self.striper: Striper | None = None  # when the connection has several sockets
 
     def send_frame(self, kind: int, tag: int, seq: int, offset: int, payload: np.ndarray,
                    total: int) -> None:
@@ -135,11 +151,13 @@ class TcpHub:
     def __init__(self, *, rank: int, job: bytes, comm_uid: bytes, secret: bytes,
                  bind_host: str, max_frame: int, on_frame: FrameHandler,
                  on_peer_lost: Callable[[int, BaseException | None], None],
-                 nsocks: int = 1, bind_source: bool = False) -> None:
+                 nsocks: int = 1, bind_source: bool = False,
+                 striper: StriperFactory | None = None) -> None:
         self.rank = rank
         # nsocks: sockets per outgoing connection (streams.Striper); bind_source: bind
         # outgoing sockets to bind_host, so traffic leaves from this rank's rail address
-        self.nsocks = nsocks
+        self.nsocks = nsocks if striper is not None else 1
+        self.make_striper = striper
         self.source = bind_host if bind_source else None
         self._open: dict[int, int] = {}  # peer -> inbound sockets still open
         self._open_lock = threading.Lock()
@@ -252,9 +270,7 @@ class TcpHub:
                 return out
             sock = self._dial(peer, address, deadline)
             out = Outbound(sock, peer, self.max_frame)
-            if self.nsocks > 1:
-                from .streams import Striper
-
+            if self.nsocks > 1 and self.make_striper is not None:
                 extra = []
                 try:
                     for stream in range(1, self.nsocks):
@@ -263,7 +279,7 @@ class TcpHub:
                     for s in [sock, *extra]:
                         s.close()
                     raise
-                out.striper = Striper(out, extra, self.rank)
+                out.striper = self.make_striper(out, extra, self.rank)
             self.outbound[peer] = out
             return out
 

@@ -29,20 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..algorithms import (
-    allgather_bruck,
-    allgather_ring,
-    allreduce_rd,
-    allreduce_ring,
-    alltoall_pairwise,
-    barrier_dissemination,
-    broadcast_chain,
-    broadcast_tree,
-    gather_linear,
-    reduce_scatter_ring,
-    reduce_tree,
-)
-from ..algorithms.schedule import Schedule, Send, split_even
+from ..algorithms import registry
+from ..algorithms.schedule import Schedule, Send
 
 
 @dataclass(frozen=True)
@@ -100,45 +88,18 @@ class Shape:
 # -- schedules of every rank ---------------------------------------------------------------
 
 
-def _raw(fn: Callable[..., Schedule]) -> Callable[..., Schedule]:
-    # bypass the algorithms' lru caches: they serve the communicators' real operations
-    return getattr(fn, "__wrapped__", fn)
-
-
 def schedules(op: str, algo: str, n: int, nbytes: int) -> list[Schedule] | None:
-    """Every rank's schedule of a flat algorithm, in bytes (elements of one byte); None
-    for an algorithm without a schedule (the direct shared-memory ones)."""
-    if n == 1:
-        return [Schedule(())]
-    if op == "allreduce" and algo in ("ring", "rd"):
-        mod = allreduce_ring if algo == "ring" else allreduce_rd
-        return [_raw(mod.schedule)(r, n, nbytes) for r in range(n)]
-    if op == "broadcast" and algo == "tree":
-        return [_raw(broadcast_tree.schedule)(r, n, nbytes, 0) for r in range(n)]
-    if op == "broadcast" and algo == "chain":
-        pieces = min(256, max(1, nbytes // (1 << 18)))
-        return [_raw(broadcast_chain.schedule)(r, n, nbytes, 0, pieces) for r in range(n)]
-    if op in ("allgather", "allgatherv") and algo in ("ring", "bruck"):
-        counts = tuple(split_even(nbytes, n))
-        mod2 = allgather_ring if algo == "ring" else allgather_bruck
-        return [_raw(mod2.schedule)(r, n, counts) for r in range(n)]
-    if op == "reduce_scatter" and algo == "ring":
-        counts = tuple(split_even(nbytes, n))
-        return [_raw(reduce_scatter_ring.schedule)(r, n, counts) for r in range(n)]
-    if op in ("alltoall", "alltoallv") and algo == "pairwise":
-        counts = tuple(split_even(nbytes, n))
-        return [_raw(alltoall_pairwise.schedule)(r, n, counts, counts) for r in range(n)]
-    if op == "reduce" and algo == "tree":
-        return [_raw(reduce_tree.schedule)(r, n, nbytes, 0) for r in range(n)]
-    if op == "gather" and algo == "linear":
-        c = nbytes // n
-        return [_raw(gather_linear.gather)(r, n, c, 0) for r in range(n)]
-    if op == "scatter" and algo == "linear":
-        c = nbytes // n
-        return [_raw(gather_linear.scatter)(r, n, c, 0) for r in range(n)]
-    if op == "barrier" and algo == "dissemination":
-        return [_raw(barrier_dissemination.schedule)(r, n) for r in range(n)]
-    return None
+    """Every rank's schedule of a flat algorithm, in bytes (elements of one byte), planned
+    as the executor plans it (``registry.model_args``); None for an algorithm without a
+    schedule (HOST and COMPOSITE kinds). ValueError for an unknown algorithm.
+
+    The plans go through the algorithms' lru caches, which the communicators' own
+    operations use too: the model's entries can push theirs out, but only while decisions
+    are being made (``selector.choose`` caches each one), not in a steady state."""
+    alg = registry.get(op, algo)
+    if alg.plan is None:
+        return None
+    return [alg.plan(op, registry.model_args(op, r, n, nbytes)) for r in range(n)]
 
 
 def schedule_time(scheds: Sequence[Schedule], shape: Shape, model: Model,
@@ -185,10 +146,14 @@ def direct_time(op: str, n: int, nbytes: int, model: Model) -> float:
 
 def flat_time(op: str, algo: str, nbytes: int, shape: Shape, model: Model,
               share: int = 1) -> float:
-    if algo == "direct":
+    try:
+        kind = registry.get(op, algo).kind
+    except ValueError:
+        kind = None
+    if kind == registry.HOST:
         return direct_time(op, shape.size, nbytes, model)
-    sch = schedules(op, algo, shape.size, nbytes)
-    if sch is None:
+    sch = schedules(op, algo, shape.size, nbytes) if kind == registry.SCHEDULE else None
+    if sch is None:  # unknown, or COMPOSITE: selector.estimate asks hier_time for those
         raise ValueError(f"no model for {op} algorithm {algo!r}")
     return schedule_time(sch, shape, model, share)
 

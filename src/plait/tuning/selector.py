@@ -20,15 +20,12 @@ wins; the log line gives both estimates. A ``hier`` override is taken as it stan
 ``choose`` returns the whole decision (algorithm, source, estimates) for tools such as
 ``plait bench``.
 
-Algorithms (OP: names):
-  allreduce: direct, rd (recursive doubling), ring, hier
-  broadcast: direct, tree (binomial), chain (pipelined), hier
-  reduce: direct, tree
-  allgather (also allgatherv): direct, bruck, ring, hier
-  reduce_scatter: direct, ring, hier
-  alltoall (also alltoallv; direct only for alltoall): direct, pairwise, hier
-  gather, scatter: direct, linear
-  barrier: direct, dissemination
+The operations, their algorithms and when each can run come from the algorithm registry
+(``plait.algorithms.registry``; the table is in docs/DESIGN.md). A variant (allgatherv,
+alltoallv, reduce_scatterv) selects under its operation's rules, with its own feasibility.
+Inside a composite algorithm's phases (``Situation.composite`` False) rules naming a
+composite algorithm are dropped, overrides included: a ``hier`` override applies to the
+communicator it was given to, not to hier's own sub-communicators.
 """
 
 from __future__ import annotations
@@ -38,22 +35,14 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from ..algorithms import registry
 from ..config import parse_size
 from . import cost
 
 log = logging.getLogger("plait.select")
 
-ALGORITHMS: dict[str, tuple[str, ...]] = {
-    "allreduce": ("direct", "rd", "ring", "hier"),
-    "broadcast": ("direct", "tree", "chain", "hier"),
-    "reduce": ("direct", "tree"),
-    "allgather": ("direct", "bruck", "ring", "hier"),
-    "reduce_scatter": ("direct", "ring", "hier"),
-    "alltoall": ("direct", "pairwise", "hier"),
-    "gather": ("direct", "linear"),
-    "scatter": ("direct", "linear"),
-    "barrier": ("direct", "dissemination"),
-}
+ALGORITHMS: dict[str, tuple[str, ...]] = {op: registry.names(op) for op in registry.OPS}
+"""Operation (selection key) -> its algorithms' names, from the registry."""
 
 # The defaults, in the same grammar. "direct" is first wherever it applies.
 DEFAULTS = (
@@ -92,22 +81,29 @@ class Situation:
     rails: int = 1
     switches: int = 1
     model: cost.Model = field(default_factory=cost.Model)
+    composite: bool = True  # False on the sub-communicators of a composite's phases
 
     @property
     def shape(self) -> cost.Shape:
         local = self.local_size or max(1, self.size // max(1, self.hosts))
         return cost.Shape(self.hosts, local, self.rails, self.switches)
 
+    @property
+    def fit(self) -> registry.Fit:
+        """What the registry's feasibility rules read."""
+        return registry.Fit(self.size, self.all_local, self.hosts, self.local_size,
+                            self.slot_size, self.composite)
+
 
 def situation(size: int, all_local: bool, any_tcp: bool, slot_size: int, topo: Any,
-              shm_possible: bool = True) -> Situation:
+              shm_possible: bool = True, composite: bool = True) -> Situation:
     """A communicator's Situation, from its topology (identical on every rank)."""
     if topo is None:
-        return Situation(size, all_local, any_tcp, slot_size)
+        return Situation(size, all_local, any_tcp, slot_size, composite=composite)
     return Situation(size, all_local, any_tcp, slot_size, hosts=len(topo.hosts),
                      local_size=topo.local_size() if shm_possible else 0,
                      rails=max(1, topo.rails()), switches=max(1, len(topo.switches())),
-                     model=cost.Model.from_topology(topo))
+                     model=cost.Model.from_topology(topo), composite=composite)
 
 
 def parse(spec: str) -> dict[str, tuple[Rule, ...]]:
@@ -116,9 +112,9 @@ def parse(spec: str) -> dict[str, tuple[Rule, ...]]:
     for part in filter(None, (p.strip() for p in spec.split(";"))):
         op, sep, rules = part.partition(":")
         op = op.strip()
-        if not sep or op not in ALGORITHMS:
+        if not sep or op not in registry.OPS:
             raise ValueError(f"PLAIT_ALGO: {part!r}: expected OP:rules with OP one of "
-                             f"{', '.join(ALGORITHMS)}")
+                             f"{', '.join(registry.OPS)}")
         for r in filter(None, (x.strip() for x in rules.split(","))):
             fields = r.split(":")
             if len(fields) == 1:
@@ -133,9 +129,9 @@ def parse(spec: str) -> dict[str, tuple[Rule, ...]]:
             else:
                 raise ValueError(f"PLAIT_ALGO: {r!r}: expected [LO-[HI]:]ALGO")
             algo = algo.strip()
-            if algo not in ALGORITHMS[op]:
+            if algo not in registry.names(op):
                 raise ValueError(f"PLAIT_ALGO: {op} has no algorithm {algo!r} (choose from "
-                                 f"{', '.join(ALGORITHMS[op])})")
+                                 f"{', '.join(registry.names(op))})")
             table.setdefault(op, []).append(Rule(lo, hi, algo))
     return {k: tuple(v) for k, v in table.items()}
 
@@ -143,27 +139,14 @@ def parse(spec: str) -> dict[str, tuple[Rule, ...]]:
 _DEFAULT_TABLE = parse(DEFAULTS)
 
 
-def feasible(algo: str, nbytes_per_rank: int, sit: Situation) -> bool:
-    if algo == "direct":
-        return sit.all_local and sit.size > 1 and nbytes_per_rank <= sit.slot_size
-    if algo == "hier":
-        return sit.hosts >= 2 and sit.local_size >= 2
-    return True
+def feasible(op: str, algo: str, slot_bytes: int, sit: Situation) -> bool:
+    """Whether ``algo`` can run ``op`` (variants included) here, with at most
+    ``slot_bytes`` per rank in a slot."""
+    return registry.get(op, algo).feasible(op, slot_bytes, sit.fit)
 
 
-def without(spec: str, algo: str) -> str:
-    """``spec`` with every rule naming ``algo`` removed (sub-communicators of a
-    hierarchical operation must not inherit a ``hier`` override)."""
-    if not spec:
-        return spec
-    table = parse(spec)
-    parts = []
-    for op, rules in table.items():
-        kept = [(f"{r.lo}-{'' if r.hi is None else r.hi}:" if (r.lo or r.hi is not None)
-                 else "") + r.algo for r in rules if r.algo != algo]
-        if kept:
-            parts.append(f"{op}:{','.join(kept)}")
-    return ";".join(parts)
+def _composite(op: str, algo: str) -> bool:
+    return registry.get(op, algo).kind == registry.COMPOSITE
 
 
 @dataclass(frozen=True)
@@ -176,11 +159,11 @@ class Decision:
     def describe(self) -> str:
         if not self.estimates:
             return f"{self.algo} ({self.source})"
-        alts = ", ".join(f"{a} {_fmt_s(t)}" for a, t in self.estimates)
+        alts = ", ".join(f"{a} {fmt_seconds(t)}" for a, t in self.estimates)
         return f"{self.algo} ({self.source}; model: {alts})"
 
 
-def _fmt_s(t: float) -> str:
+def fmt_seconds(t: float) -> str:
     return f"{t * 1e6:.0f} us" if t < 1e-3 else f"{t * 1e3:.2f} ms" if t < 1 else f"{t:.2f} s"
 
 
@@ -190,10 +173,10 @@ def _slot_bytes(op: str, nbytes: int, n: int) -> int:
 
 def estimate(op: str, algo: str, nbytes: int, sit: Situation) -> float:
     """The model's prediction (seconds) for ``algo`` running ``op`` of ``nbytes`` here."""
-    if algo == "hier":
+    if _composite(op, algo):
         def phase(o: str, nb: int, sh: cost.Shape) -> str:
             sub = Situation(sh.size, sh.hosts == 1, sh.hosts > 1, sit.slot_size, sh.hosts,
-                            sh.local, sh.rails, sh.switches, sit.model)
+                            sh.local, sh.rails, sh.switches, sit.model, composite=False)
             return choose(o, nb, sub, slot_bytes=_slot_bytes(o, nb, sh.size)).algo
 
         return cost.hier_time(op, nbytes, sit.shape, sit.model, phase)
@@ -214,16 +197,19 @@ def choose(op: str, nbytes: int, sit: Situation, overrides: str = "",
     time with the flat algorithm the following rules pick."""
     if slot_bytes is None:
         slot_bytes = _slot_bytes(op, nbytes, sit.size)
-    key = "allgather" if op == "allgatherv" else "alltoall" if op == "alltoallv" else op
+    key = registry.key(op)
     user = parse(overrides).get(key, ()) if overrides else ()
+    if not sit.composite:
+        # a composite's phases: what names a composite is not meant for them (had only such
+        # rules named this operation, the defaults apply, as if no override named it)
+        user = tuple(r for r in user if not _composite(op, r.algo))
     for rules, source in ((user, "PLAIT_ALGO"), (_DEFAULT_TABLE[key], "default")):
         candidates = [r.algo for r in rules if r.covers(nbytes)
-                      and not (r.algo == "direct" and op == "alltoallv")
-                      and feasible(r.algo, slot_bytes, sit)]
+                      and feasible(op, r.algo, slot_bytes, sit)]
         if candidates:
             algo = candidates[0]
             d = Decision(algo, source, None)
-            if source == "default" and algo == "hier" and len(candidates) > 1:
+            if source == "default" and _composite(op, algo) and len(candidates) > 1:
                 flat = candidates[1]
                 est: tuple[tuple[str, float], ...]
                 try:

@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from ..config import Config
-from .model import Topology, build
+from ..topology.model import Topology, build
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,7 +34,7 @@ def _lat(s: float | None) -> str:
 
 
 def render(topo: Topology, interfaces: bool = False) -> str:
-    from .order import host_order
+    from ..topology.order import host_order
 
     sw = topo.switches()
     lines = [f"topology ({topo.source}): {len(topo.hosts)} host(s), {topo.size} rank(s), "
@@ -84,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
         topo = comm.topology
         show = comm.rank == 0
     else:
-        from . import discover
-        from .file import load
+        from ..topology import discover
+        from ..topology.file import load
 
         info = {**discover.local_info(cfg.host_id, cfg.socket_ifname), "pid": os.getpid()}
         topo = build([info], load(cfg.topo_file) if cfg.topo_file else None)
