@@ -19,51 +19,11 @@ import pytest
 
 from plait.testing import reference as ref
 from plait.testing.data import assert_equal, empty, make, values
-from plait.testing.harness import BIG_COUNT, shm_entries
+from plait.testing.harness import BIG_COUNT
+from plait.testing.leaks import leaks as _leaks
+from plait.testing.leaks import resources as _resources
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
-
-
-def _plait_threads() -> set[tuple[int | None, str]]:
-    return {(t.ident, t.name) for t in threading.enumerate() if t.name.startswith("plait-")}
-
-
-def _resources(comm: Any) -> dict[str, Any]:
-    """This process's fds and plait threads, after making the parent communicator open
-    the connections a split will use (they are made lazily)."""
-    comm.allgather(np.zeros(2, dtype=np.int64), np.empty(2 * comm.size, dtype=np.int64))
-    return {"fds": _fds(), "threads": _plait_threads()}
-
-
-def _leaks(before: dict[str, Any], uid: str, settle: float = 3.0) -> list[str]:
-    """What a closed communicator left behind, compared with ``before`` (threads and fds
-    may take a moment to go: reader threads notice the shutdown of their socket)."""
-    deadline = time.monotonic() + settle
-    while True:
-        problems = []
-        fds = _fds() - before["fds"]
-        # the listing itself opens an fd; count only fds that still resolve
-        extra = []
-        for fd in fds:
-            try:
-                extra.append(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
-            except OSError:
-                pass
-        if extra:
-            problems.append(f"file descriptors left open: {extra}")
-        threads = _plait_threads() - before["threads"]
-        if threads:
-            problems.append(f"threads left running: {sorted(threads)}")
-        shm_left = [n for n in shm_entries() if uid in n]
-        if shm_left:
-            problems.append(f"/dev/shm entries left: {shm_left}")
-        if not problems or time.monotonic() > deadline:
-            return problems
-        time.sleep(0.1)
 
 
 def _stream(comm: Any, i: int) -> None:

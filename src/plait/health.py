@@ -201,6 +201,7 @@ class Health:
             exc = PeerFailedError(f"{self._where()}: rank {r} ({who}) died without "
                                   "closing its communicator", r)
             self.lost.setdefault(r, exc)
+            self.on_lost(r, exc)  # receives posted from it fail too, not only this wait
             raise exc
 
     def _shm_notice(self, notices: list[tuple[int, int]]) -> None:

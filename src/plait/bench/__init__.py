@@ -4,8 +4,8 @@ Layout: :mod:`~plait.bench.options` (the command line), :mod:`~plait.bench.colle
 (per-operation hooks: sizes, bus-bandwidth factors, exact data, expected results),
 :mod:`~plait.bench.backends` (plait's API, torch.distributed on plait or gloo, MPI),
 :mod:`~plait.bench.loop` (the one timing loop), :mod:`~plait.bench.setup` (rendezvous),
-:mod:`~plait.bench.launch` (starting local ranks), :mod:`~plait.bench.report` (table,
-JSON, plot).
+:mod:`~plait.bench.launch` (starting local ranks), :mod:`~plait.bench.results` (the
+measured rows), :mod:`~plait.bench.report` (table, JSON, plot).
 """
 
 from __future__ import annotations

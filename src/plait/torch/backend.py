@@ -278,18 +278,18 @@ class ProcessGroupPlait(ServesDevices, dist.ProcessGroup):  # type: ignore[misc]
 
     def __init__(self, store: dist.Store, rank: int, size: int,
                  timeout: datetime.timedelta | float | None = None, *,
-                 group_name: str = "") -> None:
+                 group_name: str = "", config: Config | None = None) -> None:
         # torch 2.13: passing the store to the base constructor fails ("returned holder-
         # wrapped instance is not an alias instance"); plait keeps it (TORCH_NOTES.md).
         super().__init__(rank, size)  # type: ignore[call-arg]
         self._store: dist.Store | None = store
-        self._comm: Any = plait.init(rank, size, store=store, timeout=timeout)
+        self._comm: Any = plait.init(rank, size, store=store, timeout=timeout, config=config)
         self._group_name = group_name
         self._group_desc = ""
         self._coalesced: list[PlaitWork] | None = None
         self._closed = False
         self._check: CollectiveCheck | None = None
-        if Config.from_env().debug == "check":
+        if Config.resolve(config).debug == "check":
             from plait import check
 
             check.uninstall(self._comm)  # this backend checks with torch's op names
@@ -789,9 +789,15 @@ def _counts(splits: list[int], t: Tensor, size: int) -> list[int]:
 
 # -- registration -------------------------------------------------------------------
 def _create(backend_opts: Any, pg_options: Any = None) -> ProcessGroupPlait:
-    """The creator ``register_backend(..., extended_api=True)`` calls for each group."""
+    """The creator ``register_backend(..., extended_api=True)`` calls for each group;
+    ``pg_options`` (``init_process_group(..., pg_options=plait.Config(...))`` or
+    ``new_group(..., pg_options=...)``) may carry plait's settings."""
     store, rank, size, timeout, group_name, _ranks = _compat.backend_options(backend_opts)
-    return ProcessGroupPlait(store, rank, size, timeout, group_name=group_name)
+    if pg_options is not None and not isinstance(pg_options, Config):
+        raise TypeError(f"rank {rank}, init_process_group: pg_options for the plait backend "
+                        f"must be a plait.Config, not {type(pg_options).__name__}")
+    return ProcessGroupPlait(store, rank, size, timeout, group_name=group_name,
+                             config=pg_options)
 
 
 _lock = threading.Lock()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -235,9 +236,14 @@ class ShmSender:
 class Drainer:
     """The thread that empties this rank's incoming point-to-point rings."""
 
+    CHECK_S = 0.25
+    """How often an idle drainer asks whether a peer died or closed: a rank blocked only
+    in a receive learns of it without any collective running."""
+
     def __init__(self, sink: Any, rings: list[tuple[int, Ring, Bell]], bell: Bell,
-                 spin_s: float, rank: int) -> None:
+                 spin_s: float, rank: int, check: Callable[[], None]) -> None:
         self.sink = sink
+        self.check = check
         self.rings = rings  # (peer rank, ring peer -> me, the peer's p2p bell)
         self.bell = bell
         self.spin_s = spin_s
@@ -273,7 +279,12 @@ class Drainer:
     def _run(self) -> None:
         try:
             spin_until = 0.0
+            next_check = time.monotonic() + self.CHECK_S
             while not self.stop:
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + self.CHECK_S
+                    self._drain()  # what a peer sent before it closed arrives first
+                    self.check()
                 if self._drain():
                     spin_until = time.monotonic() + self.spin_s
                     continue
@@ -353,6 +364,8 @@ class ShmTransport:
         self.cma_min = site.cfg.cma_min_size
         self.spin_s = site.spin_s
         self.sink = site.sink
+        self.lost = site.lost
+        self.explain_loss = site.explain_loss
         self.seg: shm.Segment | None = _make_segment(site, self.local, self.me)
         self.bell = self.seg.bells[self.me]
         self.p2p_bell = self.seg.p2p_bells[self.me]
@@ -405,7 +418,8 @@ class ShmTransport:
             seg = self.seg
             rings = [(r, Ring(seg, shm.KIND_P2P, i, self.me), seg.p2p_bells[i])
                      for r, i in self.index.items() if r != self.rank]
-            self._drainer = Drainer(self.sink, rings, self.p2p_bell, self.spin_s, self.rank)
+            self._drainer = Drainer(self.sink, rings, self.p2p_bell, self.spin_s, self.rank,
+                                    self._check_peers)
 
     def send_p2p(self, peer: int, tag: int, data: np.ndarray, deadline: float,
                  wait_for: WaitFor) -> None:
@@ -419,6 +433,24 @@ class ShmTransport:
         sender.send(tag, data, wait_for, f"rank {peer} to receive")
 
     # -- liveness, notices, progress words ----------------------------------------------
+
+    def _check_peers(self) -> None:
+        """Called by the drainer: fail point-to-point receives from a local peer that died
+        or closed (its ring has been drained: everything it sent has been delivered)."""
+        seg = self.seg
+        if seg is None:
+            return
+        gone = [(r, f"rank {self.rank}: rank {r} ({who}) died without closing its "
+                    "communicator") for r, who in self.dead_peers()]
+        ctl = seg.ctl
+        for r, i in self.index.items():
+            if r != self.rank and ctl[i, shm.W_CLOSED]:
+                gone.append((r, f"rank {self.rank}: rank {r} closed its communicator"))
+        for r, why in gone:
+            if r not in self.lost:
+                exc = self.explain_loss(r, PeerFailedError(why, r))
+                self.lost[r] = exc
+                self.sink.peer_failed(r, exc)
 
     def dead_peers(self) -> list[tuple[int, str]]:
         seg = self.seg
