@@ -256,14 +256,7 @@ class Cluster:
     @staticmethod
     def cleanup_stale() -> list[str]:
         """Delete ``plait-<pid>-...`` namespaces whose creating process no longer exists."""
-        removed = []
-        for name in _netns_list():
-            m = re.match(rf"^{re.escape(NAME_PREFIX)}(\d+)-", name)
-            if m and not pid_alive(int(m.group(1))):
-                _kill_netns_pids(name)
-                subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
-                removed.append(name)
-        return removed
+        return _cleanup_stale()
 
     # ------------------------------------------------------------------ naming
 
@@ -392,7 +385,7 @@ class Cluster:
         self._in_close = True
         errors: list[str] = []
         try:
-            self._kill_procs(self._procs, grace_s=1.0)
+            _kill_procs(self._procs, grace_s=1.0)
             names = set(self.namespaces)
             try:
                 names |= {n for n in _netns_list() if n.startswith(self.prefix + "-")}
@@ -558,70 +551,13 @@ class Cluster:
                     proc = self.run(rank // ranks_per_host, argv, renv, stdin=subprocess.DEVNULL)
                 procs.append(proc)
             deadline = None if timeout is None else t0 + timeout
-            while True:
-                codes = [p.poll() for p in procs]
-                if first_failure is None:
-                    for rank, code in enumerate(codes):
-                        if code not in (None, 0):
-                            first_failure = rank
-                            break
-                if all(c is not None for c in codes):
-                    break
-                if first_failure is not None:
-                    killed = {i for i, c in enumerate(codes) if c is None}
-                    break
-                if deadline is not None and time.monotonic() >= deadline:
-                    timed_out = True
-                    killed = {i for i, c in enumerate(codes) if c is None}
-                    break
-                time.sleep(0.01)
+            first_failure, killed, timed_out = _wait_ranks(procs, deadline)
         finally:
-            self._kill_procs(procs, grace_s=1.0)
+            _kill_procs(procs, grace_s=1.0)
             with self._lock:
                 self._procs = [p for p in self._procs if p not in procs]
-        results = []
-        for rank, proc in enumerate(procs):
-            stdout = stderr = ""
-            pair = files[rank]
-            if pair is not None:
-                texts = []
-                for f in pair:
-                    f.seek(0)
-                    texts.append(f.read().decode(errors="replace"))
-                    f.close()
-                stdout, stderr = texts
-            results.append(RankResult(
-                rank=rank, host=self.hosts[rank // ranks_per_host],
-                local_rank=rank % ranks_per_host, pid=proc.pid, returncode=proc.returncode,
-                stdout=stdout, stderr=stderr,
-                # Killed only if our signal ended it, not if it exited by itself meanwhile.
-                killed=rank in killed and (proc.returncode or 0) < 0,
-            ))
-        return LaunchResult(tuple(results), timed_out, time.monotonic() - t0, first_failure)
-
-    @staticmethod
-    def _kill_procs(procs: Sequence[subprocess.Popen[Any]], grace_s: float) -> None:
-        """SIGTERM each live process group, then SIGKILL what remains after ``grace_s``.
-
-        Uses only ``poll`` (never ``wait``), so it cannot deadlock inside a signal handler
-        that interrupted a ``wait`` on the same Popen.
-        """
-        live = [p for p in procs if p.poll() is None]
-        for p in live:
-            _signal_group(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while live and time.monotonic() < deadline:
-            time.sleep(0.01)
-            live = [p for p in live if p.poll() is None]
-        for p in live:
-            _signal_group(p.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 5.0
-        while live and time.monotonic() < deadline:
-            time.sleep(0.01)
-            live = [p for p in live if p.poll() is None]
-        # Reap the leaders' groups' remains too: a group outlives its leader.
-        for p in procs:
-            _signal_group(p.pid, signal.SIGKILL)
+        results = _rank_results(procs, files, killed, self.hosts, ranks_per_host)
+        return LaunchResult(results, timed_out, time.monotonic() - t0, first_failure)
 
     def spec(self) -> dict[str, Any]:
         """The cluster as plain data (JSON-ready): hosts, namespaces, rails, rates in bit/s.
@@ -664,6 +600,82 @@ class Cluster:
             extra = f", host address {self.host_addr(h)} (ECMP)" if self.ecmp else ""
             lines.append(f"  {name}: netns {self.netns(h)}: {rails}{extra}")
         return "\n".join(lines)
+
+
+def _cleanup_stale() -> list[str]:
+    removed = []
+    for name in _netns_list():
+        m = re.match(rf"^{re.escape(NAME_PREFIX)}(\d+)-", name)
+        if m and not pid_alive(int(m.group(1))):
+            _kill_netns_pids(name)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+            removed.append(name)
+    return removed
+
+
+def _kill_procs(procs: Sequence[subprocess.Popen[Any]], grace_s: float) -> None:
+    """SIGTERM each live process group, then SIGKILL what remains after ``grace_s``.
+
+    Uses only ``poll`` (never ``wait``), so it cannot deadlock inside a signal handler
+    that interrupted a ``wait`` on the same Popen.
+    """
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        _signal_group(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while live and time.monotonic() < deadline:
+        time.sleep(0.01)
+        live = [p for p in live if p.poll() is None]
+    for p in live:
+        _signal_group(p.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0
+    while live and time.monotonic() < deadline:
+        time.sleep(0.01)
+        live = [p for p in live if p.poll() is None]
+    # Reap the leaders' groups' remains too: a group outlives its leader.
+    for p in procs:
+        _signal_group(p.pid, signal.SIGKILL)
+
+
+def _wait_ranks(procs: Sequence[subprocess.Popen[Any]], deadline: float | None
+                ) -> tuple[int | None, set[int], bool]:
+    """Poll until every rank has exited, one has failed, or ``deadline`` passes:
+    (first failed rank, ranks still running and to be killed, timed out)."""
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
+        if all(c is not None for c in codes):
+            return failed, set(), False
+        running = {i for i, c in enumerate(codes) if c is None}
+        if failed is not None:
+            return failed, running, False
+        if deadline is not None and time.monotonic() >= deadline:
+            return None, running, True
+        time.sleep(0.01)
+
+
+def _rank_results(procs: Sequence[subprocess.Popen[Any]],
+                  files: Sequence[tuple[IO[bytes], IO[bytes]] | None], killed: set[int],
+                  hosts: Sequence[str], ranks_per_host: int) -> tuple[RankResult, ...]:
+    results = []
+    for rank, proc in enumerate(procs):
+        stdout = stderr = ""
+        pair = files[rank]
+        if pair is not None:
+            texts = []
+            for f in pair:
+                f.seek(0)
+                texts.append(f.read().decode(errors="replace"))
+                f.close()
+            stdout, stderr = texts
+        results.append(RankResult(
+            rank=rank, host=hosts[rank // ranks_per_host],
+            local_rank=rank % ranks_per_host, pid=proc.pid, returncode=proc.returncode,
+            stdout=stdout, stderr=stderr,
+            # Killed only if our signal ended it, not if it exited by itself meanwhile.
+            killed=rank in killed and (proc.returncode or 0) < 0,
+        ))
+    return tuple(results)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
