@@ -159,6 +159,7 @@ class Communicator:
         self._children: weakref.WeakSet[Communicator] = weakref.WeakSet()
         self._calls = Calls(rank, size)
         self._sel_cache: dict[tuple[str, int, int], registry.Algorithm] = {}
+        self._plans: dict[tuple[Any, ...], Any] = {}
         self._fabric: Fabric | None = None
         deadline = time.monotonic() + self.timeout
         infos = _rendezvous(origin, rank, size, deadline)
@@ -307,11 +308,19 @@ class Communicator:
         if alg.plan is None:
             raise AssertionError(f"algorithm {alg.name} has no schedule")
         arr = call.recv if call.recv is not None else call.send
-        args = registry.Args(rank=self.rank, size=self.size, counts=tuple(call.counts),
-                             recv_counts=tuple(call.recv_counts), root=call.root,
-                             itemsize=arr.dtype.itemsize if arr is not None else 1,
-                             order=g.ring)
-        sched = alg.plan(call.op, args)
+        itemsize = arr.dtype.itemsize if arr is not None else 1
+        # building Args costs more than a lookup: cache the plan per shape of the call
+        key = (alg.name, call.op, tuple(call.counts), tuple(call.recv_counts), call.root,
+               itemsize)
+        sched = self._plans.get(key)
+        if sched is None:
+            args = registry.Args(rank=self.rank, size=self.size, counts=key[2],
+                                 recv_counts=key[3], root=call.root, itemsize=itemsize,
+                                 order=g.ring)
+            sched = alg.plan(call.op, args)
+            if len(self._plans) > 1024:
+                self._plans.clear()
+            self._plans[key] = sched
         fabric = self._fabric
         if fabric is None:
             raise ClosedError(f"{ctx.where}: the communicator was closed")
