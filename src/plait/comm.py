@@ -535,17 +535,7 @@ class Communicator:
     def _drop_views(self) -> None:
         # A failed operation's traceback (kept by the sequencer, or by the caller who
         # caught it) holds the frames' views into the segment: drop their locals.
-        todo = [self._seq.broken, self._health.failure, *self._health.lost.values()]
-        seen: set[int] = set()
-        while todo:
-            exc = todo.pop()
-            if exc is None or id(exc) in seen:
-                continue
-            seen.add(id(exc))
-            if exc.__traceback__ is not None:
-                traceback.clear_frames(exc.__traceback__)
-            todo += [exc.__cause__, exc.__context__]  # the frames an adopted error hides
-        gc.collect()
+        _clear_frames([self._seq.broken, self._health.failure, *self._health.lost.values()])
 
     def __del__(self) -> None:
         try:
@@ -554,3 +544,18 @@ class Communicator:
         except Exception:
             pass
 
+
+def _clear_frames(errors: list[BaseException | None]) -> None:
+    """Drop the locals of the frames in these errors' tracebacks (and their causes'),
+    then collect: what those frames held may be views into shared memory."""
+    todo = list(errors)
+    seen: set[int] = set()
+    while todo:
+        exc = todo.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+        todo += [exc.__cause__, exc.__context__]  # the frames an adopted error hides
+    gc.collect()

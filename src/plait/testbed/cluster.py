@@ -26,15 +26,16 @@ testbed --cleanup``) removes those of processes that no longer exist.
 
 All namespaces share one kernel, hostname, boot id and ``/dev/shm``: ranks tell emulated
 hosts apart only through ``PLAIT_HOST_ID``, which ``launch`` sets.
+
+The namespaces, links, qdiscs and routes themselves are built and deleted by
+:class:`plait.testbed.network.Network`; ``Cluster`` is the launcher on top of it.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-import re
 import secrets
-import shutil
 import signal
 import subprocess
 import tempfile
@@ -45,96 +46,39 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import IO, Any
 
-from plait.errors import PlaitError
-from plait.health import pid_alive
+from plait.testbed import network
+from plait.testbed.network import (
+    HOST_NET,
+    NAME_PREFIX,
+    RAIL_NET,
+    Network,
+    TestbedError,
+)
 
-NAME_PREFIX = "plait-"
-"""Every namespace this module creates is named ``plait-<pid>-<hex>-<role>``."""
+# Moved to plait.testbed.network; kept importable from here under their old names (the
+# tests import them from this module).
+from plait.testbed.network import normalise_rates as _normalise_rates
+from plait.testbed.network import rate_bits as _rate_bits
+from plait.testbed.network import run_cmd as _run  # noqa: F401
 
-RAIL_NET = "10.77"
-"""Rail ``r`` of host ``h`` is ``10.77.<r>.<h+1>/24``."""
-
-HOST_NET = "10.78.0"
-"""The host address of host ``h`` (with ``ecmp=True``) is ``10.78.0.<h+1>/32``."""
+__all__ = [
+    "HOST_NET",
+    "MAX_HOSTS",
+    "MAX_RAILS",
+    "NAME_PREFIX",
+    "RAIL_NET",
+    "Cluster",
+    "LaunchResult",
+    "RankResult",
+    "TestbedError",
+]
 
 MAX_HOSTS = 250
 MAX_RAILS = 16
 
-_RATE_RE = re.compile(r"^\d+(\.\d+)?([kmgt]?(bit|bps))$", re.IGNORECASE)
-
 # Ports handed out as MASTER_PORT lie below the namespaces' ephemeral range (set explicitly
 # to 32768-60999 in every host namespace), so no socket opened with port 0 can take one.
 _PORT_LOW, _PORT_HIGH = 20000, 32000
-
-
-class TestbedError(PlaitError):
-    """Building, using or tearing down the emulated cluster failed."""
-
-    __test__ = False  # not a pytest test class, despite the name
-
-
-def _cmd_text(argv: Sequence[str]) -> str:
-    return " ".join(argv)
-
-
-def _run(argv: Sequence[str], *, input_text: str | None = None) -> str:
-    """Run one command; on failure raise TestbedError naming the command and its stderr."""
-    try:
-        proc = subprocess.run(
-            list(argv), input=input_text, capture_output=True, text=True, check=True, timeout=30
-        )
-    except FileNotFoundError as exc:
-        raise TestbedError(f"`{_cmd_text(argv)}` failed: {exc}") from exc
-    except subprocess.CalledProcessError as exc:
-        err = (exc.stderr or "").strip() or (exc.stdout or "").strip() or "(no output)"
-        raise TestbedError(
-            f"`{_cmd_text(argv)}` failed with exit status {exc.returncode}: {err}"
-        ) from exc
-    except subprocess.TimeoutExpired as exc:
-        raise TestbedError(f"`{_cmd_text(argv)}` did not finish within 30 s") from exc
-    return proc.stdout
-
-
-def _netns_list() -> list[str]:
-    """Names of the network namespaces that ``ip netns`` knows."""
-    out = _run(["ip", "netns", "list"])
-    # Lines look like "name" or "name (id: 3)".
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-
-def _normalise_rates(rate: str | Sequence[str] | None, rails: int) -> list[str | None]:
-    if rate is None:
-        return [None] * rails
-    items = [r.strip() for r in rate.split(",")] if isinstance(rate, str) else list(rate)
-    if len(items) == 1:
-        items = items * rails
-    if len(items) != rails:
-        raise ValueError(f"rate: got {len(items)} rates for {rails} rails ({rate!r})")
-    out: list[str | None] = []
-    for item in items:
-        if item in ("", "none", None):
-            out.append(None)
-        elif isinstance(item, str) and _RATE_RE.match(item):
-            out.append(item.lower())
-        else:
-            raise ValueError(f"rate {item!r}: expected a tc rate such as 200mbit or 1gbit")
-    return out
-
-
-_RATE_SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-
-
-def _rate_bits(rate: str | None) -> int | None:
-    """A tc rate (``200mbit``; tc's ``bps`` means bytes/s) in bits per second."""
-    if rate is None:
-        return None
-    m = _RATE_RE.match(rate)
-    if m is None:
-        raise ValueError(f"rate {rate!r}: expected a tc rate such as 200mbit or 1gbit")
-    unit = m.group(2).lower()  # e.g. "mbit" or "mbps"
-    per = 8 if unit.endswith("bps") else 1
-    return int(float(rate[: m.start(2)]) * _RATE_SCALE[unit[:-3]] * per)
 
 
 @dataclass(frozen=True)
@@ -224,16 +168,20 @@ class Cluster:
             raise ValueError(f"hosts must be in 1..{MAX_HOSTS}, got {hosts}")
         if not 1 <= rails <= MAX_RAILS:
             raise ValueError(f"rails must be in 1..{MAX_RAILS}, got {rails}")
+        prefix = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(2)}"
+        self.network = Network(prefix, hosts, _normalise_rates(rate, rails), ecmp=ecmp,
+                               burst=burst, latency=latency)
+        # The same values as the network's, kept as plain attributes: they are public API.
         self.num_hosts = hosts
         self.num_rails = rails
-        self.rates: list[str | None] = _normalise_rates(rate, rails)
+        self.rates: list[str | None] = self.network.rates
         self.ecmp = ecmp
         self.burst = burst
         self.latency = latency
-        self.prefix = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(2)}"
-        self.hosts: tuple[str, ...] = tuple(f"h{i}" for i in range(hosts))
-        self.rail_names: tuple[str, ...] = tuple(f"rail{r}" for r in range(rails))
-        self.switch_ns = f"{self.prefix}-sw"
+        self.prefix = prefix
+        self.hosts: tuple[str, ...] = self.network.hosts
+        self.rail_names: tuple[str, ...] = self.network.rail_names
+        self.switch_ns = self.network.switch_ns
         self._procs: list[subprocess.Popen[Any]] = []
         self._started = False
         self._closed = False
@@ -250,13 +198,13 @@ class Cluster:
         """Whether this machine can build a cluster, and if not, why not (cached)."""
         global _avail_cache
         if _avail_cache is None:
-            _avail_cache = _probe()
+            _avail_cache = network.probe()
         return _avail_cache
 
     @staticmethod
     def cleanup_stale() -> list[str]:
         """Delete ``plait-<pid>-...`` namespaces whose creating process no longer exists."""
-        return _cleanup_stale()
+        return network.cleanup_stale()
 
     # ------------------------------------------------------------------ naming
 
@@ -270,24 +218,24 @@ class Cluster:
 
     def netns(self, host: str | int) -> str:
         """The network namespace name of ``host`` (a name such as ``h0``, or an index)."""
-        return f"{self.prefix}-{self.hosts[self._index(host)]}"
+        return self.network.netns(self._index(host))
 
     @property
     def namespaces(self) -> list[str]:
         """Every namespace of this cluster: the hosts', then the switch's."""
-        return [self.netns(h) for h in range(self.num_hosts)] + [self.switch_ns]
+        return self.network.namespaces
 
     def addr(self, host: str | int, rail: int = 0) -> str:
         """IPv4 address of ``host``'s interface on ``rail`` (no prefix length)."""
         if not 0 <= rail < self.num_rails:
             raise ValueError(f"rail must be in 0..{self.num_rails - 1}, got {rail}")
-        return f"{RAIL_NET}.{rail}.{self._index(host) + 1}"
+        return self.network.addr(self._index(host), rail)
 
     def host_addr(self, host: str | int) -> str:
         """The host address of ``host`` (only with ``ecmp=True``): reached over every rail."""
         if not self.ecmp:
             raise TestbedError("host addresses exist only on a cluster built with ecmp=True")
-        return f"{HOST_NET}.{self._index(host) + 1}"
+        return self.network.host_addr(self._index(host))
 
     @property
     def ifnames(self) -> str:
@@ -318,62 +266,11 @@ class Cluster:
         atexit.register(self.close)
         self._install_signal_handlers()
         try:
-            self._build()
+            self.network.build()
         except BaseException:
             self.close()
             raise
         return self
-
-    def _build(self) -> None:
-        sw = self.switch_ns
-        _run(["ip", "netns", "add", sw])
-        _run(["ip", "-n", sw, "link", "set", "lo", "up"])
-        for r in range(self.num_rails):
-            _run(["ip", "-n", sw, "link", "add", f"br{r}", "type", "bridge"])
-            _run(["ip", "-n", sw, "link", "set", f"br{r}", "up"])
-        for h in range(self.num_hosts):
-            ns = self.netns(h)
-            _run(["ip", "netns", "add", ns])
-            # No IPv6 (its link-local chatter would share the shaped links); the
-            # ephemeral port range is pinned so MASTER_PORT (below it) stays free; no
-            # reverse-path filter to second-guess multipath replies.
-            _run([
-                "ip", "netns", "exec", ns, "sysctl", "-q", "-w",
-                "net.ipv6.conf.all.disable_ipv6=1",
-                "net.ipv6.conf.default.disable_ipv6=1",
-                "net.ipv4.ip_local_port_range=32768 60999",
-                "net.ipv4.conf.all.rp_filter=0",
-                "net.ipv4.conf.default.rp_filter=0",
-                "net.ipv4.fib_multipath_hash_policy=1",
-            ])
-            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-            for r, rail in enumerate(self.rail_names):
-                peer = f"h{h}r{r}"
-                # Created inside the host namespace, peer end moved straight into the
-                # switch: nothing ever appears in the root namespace.
-                _run(["ip", "-n", ns, "link", "add", rail, "type", "veth",
-                      "peer", "name", peer, "netns", sw])
-                _run(["ip", "-n", sw, "link", "set", peer, "master", f"br{r}"])
-                _run(["ip", "-n", sw, "link", "set", peer, "up"])
-                _run(["ip", "-n", ns, "addr", "add", f"{self.addr(h, r)}/24", "dev", rail])
-                _run(["ip", "-n", ns, "link", "set", rail, "up"])
-                rate = self.rates[r]
-                if rate is not None:
-                    _run(["tc", "-n", ns, "qdisc", "add", "dev", rail, "root", "tbf",
-                          "rate", rate, "burst", self.burst, "latency", self.latency])
-            if self.ecmp:
-                _run(["ip", "-n", ns, "addr", "add", f"{self.host_addr(h)}/32", "dev", "lo"])
-        if self.ecmp:
-            for h in range(self.num_hosts):
-                ns = self.netns(h)
-                for other in range(self.num_hosts):
-                    if other == h:
-                        continue
-                    argv = ["ip", "-n", ns, "route", "add", f"{self.host_addr(other)}/32",
-                            "src", self.host_addr(h)]
-                    for r, rail in enumerate(self.rail_names):
-                        argv += ["nexthop", "via", self.addr(other, r), "dev", rail]
-                    _run(argv)
 
     def close(self) -> None:
         """Kill every process in the cluster and delete every namespace of this run.
@@ -386,18 +283,7 @@ class Cluster:
         errors: list[str] = []
         try:
             _kill_procs(self._procs, grace_s=1.0)
-            names = set(self.namespaces)
-            try:
-                names |= {n for n in _netns_list() if n.startswith(self.prefix + "-")}
-            except TestbedError:
-                pass
-            # Hosts first, switch last; any process that escaped its group is killed by PID.
-            for name in sorted(names, key=lambda n: n == self.switch_ns):
-                _kill_netns_pids(name)
-                res = subprocess.run(["ip", "netns", "del", name], capture_output=True,
-                                     text=True, check=False)
-                if res.returncode != 0 and "No such file" not in res.stderr:
-                    errors.append(f"`ip netns del {name}`: {res.stderr.strip()}")
+            errors = self.network.destroy()
             self._closed = True
         finally:
             self._in_close = False
@@ -602,17 +488,6 @@ class Cluster:
         return "\n".join(lines)
 
 
-def _cleanup_stale() -> list[str]:
-    removed = []
-    for name in _netns_list():
-        m = re.match(rf"^{re.escape(NAME_PREFIX)}(\d+)-", name)
-        if m and not pid_alive(int(m.group(1))):
-            _kill_netns_pids(name)
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
-            removed.append(name)
-    return removed
-
-
 def _kill_procs(procs: Sequence[subprocess.Popen[Any]], grace_s: float) -> None:
     """SIGTERM each live process group, then SIGKILL what remains after ``grace_s``.
 
@@ -683,42 +558,3 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _kill_netns_pids(name: str) -> None:
-    """SIGKILL every process still inside namespace ``name`` (by PID)."""
-    res = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True,
-                         check=False)
-    me = os.getpid()
-    for tok in res.stdout.split():
-        if tok.isdigit() and int(tok) != me:
-            try:
-                os.kill(int(tok), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
-def _probe() -> tuple[bool, str]:
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return False, "not running as root (network namespaces need CAP_SYS_ADMIN/CAP_NET_ADMIN)"
-    for tool, pkg in (("ip", "iproute2"), ("tc", "iproute2"), ("sysctl", "procps")):
-        if shutil.which(tool) is None:
-            return False, f"no `{tool}` binary (apt-get install {pkg})"
-    name = f"{NAME_PREFIX}{os.getpid()}-probe{secrets.token_hex(2)}"
-    try:
-        _run(["ip", "netns", "add", name])
-    except TestbedError as exc:
-        return False, f"cannot create a network namespace: {exc}"
-    try:
-        _run(["ip", "-n", name, "link", "set", "lo", "up"])
-        _run(["ip", "-n", name, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
-        _run(["ip", "-n", name, "link", "add", "b0", "type", "bridge"])
-        _run(["tc", "-n", name, "qdisc", "add", "dev", "lo", "root", "tbf",
-              "rate", "200mbit", "burst", "64kb", "latency", "50ms"])
-        _run(["ip", "netns", "exec", name, "sysctl", "-q", "-w",
-              "net.ipv4.fib_multipath_hash_policy=1"])
-    except TestbedError as exc:
-        return False, f"network namespace lacks a needed feature (veth, bridge, tbf, sysctl): {exc}"
-    finally:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
-    return True, "root; ip, tc, veth, bridge, tbf and sysctl work in a network namespace"

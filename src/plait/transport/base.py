@@ -29,7 +29,7 @@ transport/registry.py.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -194,16 +194,22 @@ class Transport(Protocol):
         ...
 
 
-@dataclass
 class HostCall:
-    """One operation for a host collective: flat numpy views of storage dtype."""
+    """One operation for a host collective: flat numpy views of storage dtype. A plain
+    class with slots, not a dataclass: one is built per operation, on the small-message
+    path."""
 
-    op: str
-    send: np.ndarray | None
-    recv: np.ndarray | None
-    reducer: Reducer | None = None
-    root: int = 0
-    counts: Sequence[int] = field(default_factory=tuple)
+    __slots__ = ("counts", "op", "recv", "reducer", "root", "send")
+
+    def __init__(self, op: str, send: np.ndarray | None, recv: np.ndarray | None,
+                 reducer: Reducer | None = None, root: int = 0,
+                 counts: Sequence[int] = ()) -> None:
+        self.op = op
+        self.send = send
+        self.recv = recv
+        self.reducer = reducer
+        self.root = root
+        self.counts = counts
 
 
 class HostCollective(Protocol):
