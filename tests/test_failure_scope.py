@@ -53,9 +53,14 @@ def _worker(rank: int, port: int, case: str, q: Any) -> None:
                 q.put((rank, "aborted", pair.describe().get("transports")))
             else:
                 try:
-                    pair.allreduce(np.ones(3, dtype=np.int32))
+                    z = np.arange(3, dtype=np.int32) * (rank + 1)
                     if rank == 1:
-                        pair.allreduce(np.ones(3, dtype=np.int32))  # rank 0 never joins
+                        pair.allreduce(z)  # rank 0 aborts instead of joining
+                    else:  # the other pair is not disturbed: its sum is exact
+                        pair.allreduce(z)
+                        first = 2 * (rank // 2) + 1  # ranks 2 and 3: factors 3 and 4
+                        if z.tolist() != [(first + first + 1) * i for i in range(3)]:
+                            raise AssertionError(f"rank {rank}: wrong sum {z.tolist()}")
                     q.put((rank, "ok", None))
                 except plait.PlaitError as exc:
                     q.put((rank, type(exc).__name__, getattr(exc, "peer", None)))

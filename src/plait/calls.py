@@ -32,12 +32,7 @@ class Call(HostCall):
                  rop: ReduceOp | None = None, root: int = 0, counts: Sequence[int] = (),
                  recv_counts: Sequence[int] = (), sbuf: Buf | None = None,
                  rbuf: Buf | None = None) -> None:
-        self.op = op
-        self.send = send
-        self.recv = recv
-        self.reducer = reducer
-        self.root = root
-        self.counts = counts
+        super().__init__(op, send, recv, reducer, root, counts)
         self.recv_counts = recv_counts
         self.nbytes = nbytes
         self.slot_bytes = slot_bytes

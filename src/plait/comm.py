@@ -55,8 +55,6 @@ from .work import Work, done_work
 
 log = logging.getLogger("plait")
 
-MAX_TAG = 2**31
-
 _live: weakref.WeakSet[Communicator] = weakref.WeakSet()
 
 

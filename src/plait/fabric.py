@@ -181,9 +181,6 @@ class Fabric:
             ch = self._chans[peer] = self.transport_for(peer).channel(peer)
         return ch
 
-    def peer_transport(self, peer: int) -> str:
-        return "shm" if self.group.is_local(peer) else "tcp"
-
     def start_p2p(self) -> None:
         for t in self.transports:
             t.start_p2p()

@@ -44,7 +44,7 @@ from .flightrec import FlightRecorder
 from .membership import ALL, Group, Scope
 from .rendezvous import Meeting
 from .transport import liveness
-from .transport.base import OpCtx, PeerState
+from .transport.base import OpCtx, PeerState, QuietPeers
 
 log = logging.getLogger("plait")
 
@@ -83,23 +83,6 @@ class Signals(Protocol):
     def mark(self, *, blocked: int | None = None, done: int | None = None) -> None: ...
 
 
-class _NoSignals:
-    def dead_peers(self) -> list[tuple[int, str]]:
-        return []
-
-    def notices(self) -> list[tuple[int, int]]:
-        return []
-
-    def publish_notice(self, value: int) -> None:
-        return None
-
-    def peer_states(self) -> dict[int, PeerState]:
-        return {}
-
-    def mark(self, *, blocked: int | None = None, done: int | None = None) -> None:
-        return None
-
-
 class Health:
     """The failure state of one communicator (made before its transports, which report
     losses to it; ``attach`` gives it their signals)."""
@@ -122,7 +105,7 @@ class Health:
         self.on_lost = on_lost
         self.current = current
         self.closed = closed
-        self.signals: Signals = _NoSignals()
+        self.signals: Signals = QuietPeers()
         self.next_poll = 0.0
         self.failure: PeerFailedError | None = None  # a notice this rank has seen
         self.published = False
@@ -135,7 +118,7 @@ class Health:
 
     def detach(self) -> None:
         """The communicator is being torn down: no store, no transports any more."""
-        self.signals = _NoSignals()
+        self.signals = QuietPeers()
         self.meet = None
 
     @property

@@ -140,6 +140,32 @@ class PeerState:
     done: int = 0  # sequence number of the last collective it finished
 
 
+class QuietPeers:
+    """The liveness, notice and progress-word methods of a transport that learns of
+    losses otherwise (TCP: its readers see the connection drop) and has no words to
+    publish; also what health reads before its transports are open."""
+
+    publishes_progress = False
+
+    def dead_peers(self) -> list[tuple[int, str]]:
+        return []
+
+    def notices(self) -> list[tuple[int, int]]:
+        return []
+
+    def publish_notice(self, value: int) -> None:
+        return None
+
+    def peer_states(self) -> dict[int, PeerState]:
+        return {}
+
+    def mark(self, *, blocked: int | None = None, done: int | None = None) -> None:
+        return None
+
+    def mark_done(self, seq: int) -> None:
+        return None
+
+
 class Transport(Protocol):
     name: str
 

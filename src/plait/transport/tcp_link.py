@@ -23,7 +23,7 @@ from ..errors import MismatchError, PeerFailedError
 from ..reduce import Reducer
 from ..topology.rails import rail_address
 from . import wire
-from .base import THREAD, OpCtx, PeerState, Request, Site, WaitFor
+from .base import THREAD, OpCtx, QuietPeers, Request, Site, WaitFor
 from .futex import Bell, private_bell
 from .streams import StripedSend, Striper
 from .tcp import Outbound, TcpHub, recv_exact_into
@@ -209,8 +209,9 @@ class TcpChannel:
         return TcpRecv(self.peer, self.inbox, view, reducer, ctx.seq, idx, ctx.where)
 
 
-class TcpTransport:
-    """Every peer not reached through shared memory."""
+class TcpTransport(QuietPeers):
+    """Every peer not reached through shared memory. Losses arrive through the readers
+    (``_on_peer_lost``): no liveness words or notices of its own (``QuietPeers``)."""
 
     name = "tcp"
 
@@ -310,28 +311,6 @@ class TcpTransport:
             seq = out.p2p_seq
             out.p2p_seq += 1
         out.send_message(wire.KIND_P2P, tag, seq, data)
-
-    # -- liveness and notices: losses arrive through the readers (``_on_peer_lost``) -----
-
-    def dead_peers(self) -> list[tuple[int, str]]:
-        return []
-
-    def notices(self) -> list[tuple[int, int]]:
-        return []
-
-    def publish_notice(self, value: int) -> None:
-        return None
-
-    def peer_states(self) -> dict[int, PeerState]:
-        return {}
-
-    def mark(self, *, blocked: int | None = None, done: int | None = None) -> None:
-        return None
-
-    publishes_progress = False
-
-    def mark_done(self, seq: int) -> None:
-        return None
 
     def slot_board(self, wait: Any) -> None:
         return None
