@@ -56,6 +56,7 @@ LAYERS: dict[str, int] = {
     "plait.executor": 5,
     "plait.health": 5,
     "plait.progress": 5,
+    "plait.fastpath": 5,
     "plait.p2p": 5,
     "plait.args": 5,
     "plait.calls": 5,

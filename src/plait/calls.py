@@ -24,20 +24,17 @@ class Call(HostCall):
     """One operation, validated: what the selector, the executor and a host collective
     need (flat numpy views; counts in elements)."""
 
-    __slots__ = ("dtype", "nbytes", "post", "rbuf", "recv_counts", "rop", "sbuf",
-                 "slot_bytes")
+    __slots__ = ("nbytes", "post", "rbuf", "recv_counts", "sbuf", "slot_bytes")
 
     def __init__(self, op: str, send: np.ndarray | None, recv: np.ndarray | None,
                  nbytes: int, slot_bytes: int, dtype: Any, reducer: Reducer | None = None,
                  rop: ReduceOp | None = None, root: int = 0, counts: Sequence[int] = (),
                  recv_counts: Sequence[int] = (), sbuf: Buf | None = None,
                  rbuf: Buf | None = None) -> None:
-        super().__init__(op, send, recv, reducer, root, counts)
+        super().__init__(op, send, recv, reducer, root, counts, dtype, rop)
         self.recv_counts = recv_counts
         self.nbytes = nbytes
         self.slot_bytes = slot_bytes
-        self.dtype = dtype
-        self.rop = rop
         self.sbuf = sbuf
         self.rbuf = rbuf
         self.post: Callable[[], None] | None = None

@@ -40,8 +40,9 @@ from .args import check_rank, check_tag
 from .calls import Call, Calls, storage
 from .config import SETTINGS, Config, apply_log_level, disagreement, to_seconds
 from .errors import ClosedError, MismatchError
-from .executor import Waiter, run, wait_reqs
+from .executor import Plans, Waiter, run, wait_reqs
 from .fabric import Fabric, local_info
+from .fastpath import FastPath
 from .flightrec import FlightRecorder
 from .health import Health
 from .membership import ALL, MEMBERS, Group, Origin
@@ -157,7 +158,6 @@ class Communicator:
         self._children: weakref.WeakSet[Communicator] = weakref.WeakSet()
         self._calls = Calls(rank, size)
         self._sel_cache: dict[tuple[str, int, int], registry.Algorithm] = {}
-        self._plans: dict[tuple[Any, ...], Any] = {}
         self._fabric: Fabric | None = None
         deadline = time.monotonic() + self.timeout
         infos = _rendezvous(origin, rank, size, deadline)
@@ -185,6 +185,9 @@ class Communicator:
                               yield_cpu=fabric.oversubscribed)
         fabric.attach_host(self._waiter)
         self._seq = Sequencer(rank, self.timeout, self._rec, health, fabric.mark_done)
+        self._plans = Plans(rank, size, g.ring)
+        self._fast = FastPath.make(self._seq, fabric.host, self._calls, size,
+                                    lambda n: self._choose("allreduce", n, n).name == "direct")
         self._situation = replace(
             selector.situation(size, g.all_local and size > 1, bool(g.remote),
                                self._cfg.shm_slot_size, g.topology, self._cfg.transport != "tcp"),
@@ -302,26 +305,10 @@ class Communicator:
         return self._seq.submit(op, fn, async_op, call.nbytes, call.dtype, alg.name)
 
     def _run_schedule(self, alg: registry.Algorithm, call: Call, ctx: OpCtx) -> None:
-        g = self._group
-        if alg.plan is None:
-            raise AssertionError(f"algorithm {alg.name} has no schedule")
-        arr = call.recv if call.recv is not None else call.send
-        itemsize = arr.dtype.itemsize if arr is not None else 1
-        # building Args costs more than a lookup: cache the plan per shape of the call
-        key = (alg.name, call.op, tuple(call.counts), tuple(call.recv_counts), call.root,
-               itemsize)
-        sched = self._plans.get(key)
-        if sched is None:
-            args = registry.Args(rank=self.rank, size=self.size, counts=key[2],
-                                 recv_counts=key[3], root=call.root, itemsize=itemsize,
-                                 order=g.ring)
-            sched = alg.plan(call.op, args)
-            if len(self._plans) > 1024:
-                self._plans.clear()
-            self._plans[key] = sched
         fabric = self._fabric
         if fabric is None:
             raise ClosedError(f"{ctx.where}: the communicator was closed")
+        sched = self._plans.plan(alg, call)
         run(ctx, sched, call.send, call.recv, call.reducer, storage(call), fabric.channel,
             self._waiter)
 
@@ -341,6 +328,8 @@ class Communicator:
 
     def allreduce(self, buf: Any, op: Any = "sum", *, async_op: bool = False) -> Work | None:
         """Reduce ``buf`` over all ranks, in place: every rank gets the result."""
+        if not async_op and self._fast is not None and self._fast.allreduce(buf, op):
+            return None
         return self._launch(self._calls.allreduce(buf, op), async_op)
 
     def reduce(self, buf: Any, root: int, op: Any = "sum", *, async_op: bool = False

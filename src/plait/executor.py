@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
+from .algorithms import registry
 from .algorithms.schedule import Copy, Schedule, Send
+from .calls import Call
 from .reduce import Reducer
 from .transport.base import CALLER, Channel, OpCtx, Request
 from .transport.futex import Bell
@@ -135,3 +138,32 @@ def wait_reqs(ctx: OpCtx, reqs: list[Request], waiter: Waiter) -> None:
 
     local_only = all(r.driven_by == CALLER for r in reqs)
     waiter.wait(ready, ctx, waiting_for, spin=local_only)
+
+
+class Plans:
+    """The schedule of each call shape of one communicator, built once: building the
+    planner's Args and the schedule costs more than a lookup."""
+
+    def __init__(self, rank: int, size: int, order: Sequence[int]) -> None:
+        self.rank = rank
+        self.size = size
+        self.order = order
+        self._plans: dict[tuple[Any, ...], Schedule] = {}
+
+    def plan(self, alg: registry.Algorithm, call: Call) -> Schedule:
+        if alg.plan is None:
+            raise AssertionError(f"algorithm {alg.name} has no schedule")
+        arr = call.recv if call.recv is not None else call.send
+        itemsize = arr.dtype.itemsize if arr is not None else 1
+        key = (alg.name, call.op, tuple(call.counts), tuple(call.recv_counts), call.root,
+               itemsize)
+        sched = self._plans.get(key)
+        if sched is None:
+            args = registry.Args(rank=self.rank, size=self.size, counts=key[2],
+                                 recv_counts=key[3], root=call.root, itemsize=itemsize,
+                                 order=self.order)
+            sched = alg.plan(call.op, args)
+            if len(self._plans) > 1024:
+                self._plans.clear()
+            self._plans[key] = sched
+        return sched

@@ -12,7 +12,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .algorithms import direct
 from .config import Config
 from .errors import PlaitError
 from .executor import Waiter
@@ -22,12 +21,9 @@ from .topology import discover as topo_discover
 from .transport import registry
 from .transport.base import (
     Channel,
-    DoneRequest,
-    HostCall,
-    OpCtx,
+    HostCollective,
     P2PSink,
     PeerState,
-    Request,
     Site,
     Transport,
 )
@@ -52,68 +48,6 @@ def spin_seconds(cfg: Config, local_ranks: int) -> tuple[float, bool]:
     return spin * 1e-6, over
 
 
-def _allreduce(b: direct.Board, c: HostCall, x: OpCtx) -> None:
-    direct.allreduce(b, x, c.recv, c.reducer)
-
-
-def _reduce(b: direct.Board, c: HostCall, x: OpCtx) -> None:
-    direct.reduce(b, x, c.recv, c.reducer, c.root)
-
-
-def _broadcast(b: direct.Board, c: HostCall, x: OpCtx) -> None:
-    direct.broadcast(b, x, c.recv, c.root)
-
-
-def _allgatherv(b: direct.Board, c: HostCall, x: OpCtx) -> None:
-    direct.allgatherv(b, x, c.send, c.recv, c.counts)
-
-
-def _gather(b: direct.Board, c: HostCall, x: OpCtx) -> None:
-    direct.gather(b, x, c.send, c.recv, c.root)
-
-
-def _scatter(b: direct.Board, c: HostCall, x: OpCtx) -> None:
-    direct.scatter(b, x, c.send, c.recv, c.root)
-
-
-def _reduce_scatter(b: direct.Board, c: HostCall, x: OpCtx) -> None:
-    direct.reduce_scatter(b, x, c.send, c.recv, c.reducer)
-
-
-def _alltoall(b: direct.Board, c: HostCall, x: OpCtx) -> None:
-    direct.alltoall(b, x, c.send, c.recv)
-
-
-def _barrier(b: direct.Board, c: HostCall, x: OpCtx) -> None:
-    direct.barrier(b, x)
-
-
-# Module-level functions, not closures: a failed operation's frames outlive it (in its
-# traceback) and keep their function objects, so a closure over the board would keep
-# views into the segment alive after close.
-_DIRECT: dict[str, Callable[[direct.Board, HostCall, OpCtx], None]] = {
-    "allreduce": _allreduce, "reduce": _reduce, "broadcast": _broadcast,
-    "allgather": _allgatherv, "allgatherv": _allgatherv, "gather": _gather,
-    "scatter": _scatter, "reduce_scatter": _reduce_scatter, "alltoall": _alltoall,
-    "barrier": _barrier,
-}
-
-
-class DirectHost:
-    """The host collective of the direct shared-memory algorithms (algorithms/direct.py)
-    over the segment's slots; runs inline (its waits sleep on the doorbell)."""
-
-    def __init__(self, board: direct.Board) -> None:
-        self.board = board
-
-    def supports(self, op: str, algo: str) -> bool:
-        return algo == "direct" and op in _DIRECT
-
-    def start(self, algo: str, call: HostCall, ctx: OpCtx) -> Request:
-        _DIRECT[call.op](self.board, call, ctx)
-        return DoneRequest()
-
-
 class Fabric:
     def __init__(self, group: Group, origin: Origin, uid: bytes, sink: P2PSink,
                  explain_loss: Callable[[int, BaseException], BaseException],
@@ -130,7 +64,7 @@ class Fabric:
         self.transports: list[Transport] = []
         self.bell: Bell = private_bell()
         self.p2p_bell: Bell = private_bell()
-        self.host: DirectHost | None = None
+        self.host: HostCollective | None = None
         self._chans: dict[int, Channel] = {}
         self._route: dict[int, Transport] = {}
         try:
@@ -157,9 +91,9 @@ class Fabric:
         if not self.group.all_local:
             return
         for t in self.transports:
-            board = t.slot_board(waiter.wait)
-            if board is not None:
-                self.host = DirectHost(board)
+            host = t.host_collective(waiter)
+            if host is not None:
+                self.host = host
                 return
 
     # -- reaching peers -------------------------------------------------------------------

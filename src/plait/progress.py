@@ -42,7 +42,10 @@ class Sequencer:
         self.closed = False
         self.broken: BaseException | None = None
         self.cur: OpCtx | None = None
-        self._cv = threading.Condition(threading.Lock())
+        # the bare lock where no one needs waking: a Condition's enter/exit costs twice
+        # as much, on the path of every small synchronous operation
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._queue: deque[tuple[int, str, OpFn, Work]] = deque()
         self._busy = False
         self._thread: threading.Thread | None = None
@@ -60,37 +63,51 @@ class Sequencer:
 
     def submit(self, name: str, fn: OpFn, async_op: bool, nbytes: int = 0, dtype: Any = None,
                algo: str = "") -> Work | None:
+        if not async_op and self.run_inline(name, fn, nbytes, dtype, algo):
+            return None
         with self._cv:
             self.check_usable(name)
             self.seq += 1
             seq = self.seq
             slot = [seq, name, nbytes, dtype, algo, 0.0, 0.0, 0.0, None]
+            slot[ISSUED] = time.monotonic()
             self.rec.slots[seq & self.rec.mask] = slot
-            if not async_op and not self._busy and not self._queue:
-                self._busy = True
-                work = None
-            else:
-                slot[ISSUED] = time.monotonic()  # a synchronous op is issued as it starts
-                work = Work()
-                self._queue.append((seq, name, fn, work))
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._loop, daemon=True,
-                                                    name=f"plait-progress-r{self.rank}")
-                    self._thread.start()
-                self._cv.notify_all()
-        if work is None:
-            try:
-                self._execute(name, seq, fn)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    if self._queue:
-                        self._cv.notify_all()
-            return None
+            work = Work()
+            self._queue.append((seq, name, fn, work))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True,
+                                                name=f"plait-progress-r{self.rank}")
+                self._thread.start()
+            self._cv.notify_all()
         if async_op:
             return work
         work.wait()
         return None
+
+    def run_inline(self, name: str, fn: OpFn, nbytes: int = 0, dtype: Any = None,
+                   algo: str = "") -> bool:
+        """Run a synchronous operation now, on the caller's thread, if the communicator
+        is idle and usable; False (nothing done, no sequence number taken) otherwise."""
+        with self._lock:
+            if self._busy or self._queue or self.closed or self.broken is not None:
+                return False
+            self._busy = True
+            self.seq += 1
+            seq = self.seq
+        # a synchronous op is issued as it starts (ISSUED stays 0)
+        self.rec.slots[seq & self.rec.mask] = [seq, name, nbytes, dtype, algo, 0.0, 0.0, 0.0,
+                                               None]
+        try:
+            self._execute(name, seq, fn)
+        finally:
+            self._busy = False
+            # an operation queued while this one ran: wake the progress thread (it
+            # waits for busy to clear; enqueuers notify under the lock, so this read
+            # after clearing busy misses none)
+            if self._queue:
+                with self._cv:
+                    self._cv.notify_all()
+        return True
 
     def _execute(self, name: str, seq: int, fn: OpFn) -> None:
         if self.broken is not None:

@@ -10,15 +10,16 @@ Kinds:
 - ``SCHEDULE``: point-to-point schedules (``plan``) that the executor runs; ``counts``
   gives their traffic in closed form (tests/test_registry.py checks it against the plans).
 - ``HOST``: runs whole on a host collective: today the direct shared-memory algorithms
-  (algorithms/direct.py), which exchange through slots and have no schedule.
+  of the compiled engine (transport/engine/engine.c), which exchange through slots and
+  have no schedule.
 - ``COMPOSITE``: phases on sub-communicators (algorithms/hier.py), each choosing its own
   flat algorithm.
 
 The entries are declared here, not in the algorithm modules: this module imports the
 modules (their ``plan`` and ``counts``), never the other way round, so there is no import
 cycle and importing this module registers everything. The HOST and COMPOSITE entries need
-nothing from their modules, so direct.py and hier.py are not imported at all (hier.py
-works with communicators, far above this layer).
+nothing from their modules, so hier.py is not imported at all (it works with
+communicators, far above this layer).
 """
 
 from __future__ import annotations

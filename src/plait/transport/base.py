@@ -35,7 +35,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from ..errors import CommTimeoutError
-from ..reduce import Reducer
+from ..reduce import DType, ReduceOp, Reducer
 from . import wire
 from .futex import Bell
 
@@ -205,9 +205,9 @@ class Transport(Protocol):
 
     def mark_done(self, seq: int) -> None: ...
 
-    def slot_board(self, wait: Callable[..., None]) -> Any:
-        """The slots of a direct host collective (shared memory, every rank local), or
-        None; ``wait(ready, ctx, waiting_for)`` is the communicator's wait."""
+    def host_collective(self, policy: Any) -> HostCollective | None:
+        """The direct host collective (shared memory, every rank local), or None;
+        ``policy`` is how the communicator waits (transport.engine.WaitPolicy)."""
         ...
 
     def describe(self) -> dict[str, Any]:
@@ -225,17 +225,20 @@ class HostCall:
     class with slots, not a dataclass: one is built per operation, on the small-message
     path."""
 
-    __slots__ = ("counts", "op", "recv", "reducer", "root", "send")
+    __slots__ = ("counts", "dtype", "op", "recv", "reducer", "root", "rop", "send")
 
     def __init__(self, op: str, send: np.ndarray | None, recv: np.ndarray | None,
                  reducer: Reducer | None = None, root: int = 0,
-                 counts: Sequence[int] = ()) -> None:
+                 counts: Sequence[int] = (), dtype: DType | None = None,
+                 rop: ReduceOp | None = None) -> None:
         self.op = op
         self.send = send
         self.recv = recv
         self.reducer = reducer
         self.root = root
         self.counts = counts
+        self.dtype = dtype  # what the bytes are (bfloat16 travels as uint16 storage)
+        self.rop = rop
 
 
 class HostCollective(Protocol):

@@ -21,9 +21,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -213,85 +211,3 @@ def unlink(name: str) -> None:
         pass
 
 
-class SlotBoard:
-    """The direct algorithms' view of a segment: double-buffered slots plus arrive/done
-    sequence numbers per rank (all ranks of the communicator are local here).
-
-    Control words are read through memoryviews: plain int access, several times faster
-    than numpy scalars, on the path that decides small-message latency."""
-
-    def __init__(self, seg: Segment, wait: Callable[..., None]) -> None:
-        self.seg = seg
-        self.me = seg.me
-        self.n = seg.layout.local_size
-        self.arrive = memoryview(seg.ctl[:, W_ARRIVE])
-        self.done_col = memoryview(seg.ctl[:, W_DONE])
-        self.bells = seg.bells
-        self.others = [i for i in range(self.n) if i != self.me]
-        self.other_bells = [self.bells[i] for i in self.others]
-        self.slot_size = seg.layout.slot_size
-        self.slots = (seg.slots[0], seg.slots[1])
-        self._wait = wait
-        self.seq = 0
-        self._views: dict[tuple[int, int, int, int], list[np.ndarray]] = {}
-
-    def typed(self, s: int, dtype: np.dtype, start: int, count: int) -> list[np.ndarray]:
-        """Every rank's slot (of use ``s``) as ``count`` elements of ``dtype`` from element
-        ``start``; cached, since building views costs more than reading small slots."""
-        key = (s & 1, dtype.num, start, count)
-        v = self._views.get(key)
-        if v is None:
-            size = dtype.itemsize
-            slots = self.slots[s & 1]
-            v = [slots[k, start * size:(start + count) * size].view(dtype)
-                 for k in range(self.n)]
-            if len(self._views) > 256:
-                self._views.clear()
-            self._views[key] = v
-        return v
-
-    def _all_at_least(self, col: memoryview, s: int) -> bool:
-        return min(col) >= s  # min() over a memoryview of int64: one C loop
-
-    def begin(self, ctx: Any) -> tuple[int, np.ndarray]:
-        """Next sequence number and its slots (n x slot_size); waits until every rank has
-        finished reading the slots' previous use (two operations ago)."""
-        self.seq += 1
-        s = self.seq
-        if s > 2:
-            col = self.done_col
-            if not self._all_at_least(col, s - 2):
-                self._wait(lambda: self._all_at_least(col, s - 2), ctx,
-                           lambda: "rank(s) " + ", ".join(
-                               str(i) for i in range(self.n) if col[i] < s - 2)
-                           + " to finish the previous operation")
-        return s, self.slots[s & 1]
-
-    def publish(self, s: int) -> None:
-        self.arrive[self.me] = s
-        for b in self.other_bells:
-            b.ring()
-
-    def wait_for(self, s: int, ranks: list[int] | None, ctx: Any) -> None:
-        col = self.arrive
-        if ranks is None:
-            if self._all_at_least(col, s):
-                return
-
-            def ready() -> bool:
-                return self._all_at_least(col, s)
-        else:
-            (r,) = ranks
-            if col[r] >= s:
-                return
-
-            def ready() -> bool:
-                return col[r] >= s
-        self._wait(ready, ctx, lambda: "rank(s) " + ", ".join(
-            str(i) for i in range(self.n) if col[i] < s))
-
-    def finish(self, s: int) -> None:
-        self.done_col[self.me] = s
-        for b in self.other_bells:
-            if b.words[1]:
-                b.ring()

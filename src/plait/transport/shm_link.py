@@ -27,6 +27,7 @@ from ..errors import CommTimeoutError, MismatchError, PeerFailedError, PlaitErro
 from ..reduce import Reducer
 from . import cma, liveness, shm, wire
 from .base import CALLER, OpCtx, PeerState, Request, Site, WaitFor
+from .engine import EngineHost, WaitPolicy
 from .futex import Bell, private_bell
 from .ring import Ring
 
@@ -374,6 +375,7 @@ class ShmTransport:
         self._senders: dict[int, ShmSender] = {}
         self._lock = threading.Lock()
         self._drainer: Drainer | None = None
+        self._host: EngineHost | None = None
         # every local peer has attached (the creator waited for it; attachers find the
         # creator's stamp): watch the very processes whose pid and start time they wrote
         self._watch = liveness.PeerWatch()
@@ -502,10 +504,16 @@ class ShmTransport:
         if mine is not None:
             mine[shm.W_OP_DONE] = seq
 
-    def slot_board(self, wait: Any) -> shm.SlotBoard | None:
+    def host_collective(self, policy: WaitPolicy) -> EngineHost | None:
         if len(self.local) < 2:
             return None
-        return shm.SlotBoard(self.segment(), wait)
+        if self._host is None:
+            seg = self.segment()
+            lay = seg.layout
+            # the control words start after the segment's 8-byte magic header
+            self._host = EngineHost(seg.mm, lay.local_size, seg.me, 8, lay.slots_off,
+                                    lay.slot_size, policy)
+        return self._host
 
     def describe(self) -> dict[str, Any]:
         return {"single_copy_from": self.single_copy_peers() if self.seg is not None else []}
@@ -527,6 +535,9 @@ class ShmTransport:
         if self._drainer is not None:
             self._drainer.close()
             self._drainer = None
+        if self._host is not None:
+            self._host.close()  # lets go of the mapping, which cannot close while held
+            self._host = None
         with self._watch_lock:
             self._watch.close()
         seg = self.seg

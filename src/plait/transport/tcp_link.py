@@ -312,7 +312,7 @@ class TcpTransport(QuietPeers):
             out.p2p_seq += 1
         out.send_message(wire.KIND_P2P, tag, seq, data)
 
-    def slot_board(self, wait: Any) -> None:
+    def host_collective(self, policy: Any) -> None:
         return None
 
     def describe(self) -> dict[str, Any]:

@@ -1,0 +1,104 @@
+"""The compiled engine's host collective: the direct shared-memory algorithms in C.
+
+``_engine.Board`` (transport/engine/engine.c) runs a whole operation through the slots
+of the host segment: one call from here when every peer arrives within the spin. When a
+wait outlasts the spin, the board returns and the slow loop here takes over: it checks
+the communicator's health, enforces the deadline (with the same typed errors and
+messages as every other wait) and sleeps on this rank's doorbell until the board can go
+on.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from ..reduce import ReduceOp
+from . import _engine
+from .base import DoneRequest, HostCall, OpCtx, Request
+
+# codes of transport/engine/engine.c and reduce.h
+OPS: dict[str, int] = {
+    "allreduce": 0, "reduce": 1, "broadcast": 2, "allgather": 3, "allgatherv": 3,
+    "gather": 4, "scatter": 5, "reduce_scatter": 6, "alltoall": 7, "barrier": 8}
+DTYPES: dict[str, int] = {
+    "float16": 0, "bfloat16": 1, "float32": 2, "float64": 3, "int8": 4, "uint8": 5,
+    "int16": 6, "int32": 7, "int64": 8, "bool": 9}
+# AVG is SUM here: the division by the number of ranks follows once (plait.calls)
+REDUCE_OPS: dict[ReduceOp, int] = {
+    ReduceOp.SUM: 0, ReduceOp.AVG: 0, ReduceOp.PROD: 1, ReduceOp.MIN: 2, ReduceOp.MAX: 3,
+    ReduceOp.BAND: 4, ReduceOp.BOR: 5, ReduceOp.BXOR: 6}
+
+# longest sleep between health checks in a wait (as plait.executor's waits)
+MAX_SLEEP_S = 0.05
+
+_DONE = DoneRequest()
+
+
+class WaitPolicy(Protocol):
+    """How the communicator waits: spin budget, whether to yield the core, and the
+    health check that raises a peer failure."""
+
+    spin_s: float
+    yield_cpu: bool
+
+    def check(self) -> None: ...
+
+
+def reduce_into(dst: object, src: object, dtype: str, op: ReduceOp) -> None:
+    """``dst = dst op src`` element-wise in place (buffers of the dtype's storage)."""
+    _engine.reduce(dst, src, DTYPES[dtype], REDUCE_OPS[op])
+
+
+class EngineHost:
+    """The host collective of the direct algorithms over a segment's slots."""
+
+    def __init__(self, mapping: object, n: int, me: int, ctl_offset: int, slots_offset: int,
+                 slot_size: int, policy: WaitPolicy) -> None:
+        self.board = _engine.Board(mapping, n, me, ctl_offset, slots_offset, slot_size,
+                                   int(policy.spin_s * 1e9), policy.yield_cpu)
+        self.check = policy.check
+
+    def supports(self, op: str, algo: str) -> bool:
+        return algo == "direct" and op in OPS
+
+    def start(self, algo: str, call: HostCall, ctx: OpCtx) -> Request:
+        self.run(call, ctx)
+        return _DONE
+
+    def run(self, call: HostCall, ctx: OpCtx) -> None:
+        dt = call.dtype
+        rop = call.rop
+        self.run_codes(OPS[call.op], DTYPES[dt.name] if dt is not None else DTYPES["uint8"],
+                       REDUCE_OPS[rop] if rop is not None else 0, call.root, call.send,
+                       call.recv, tuple(call.counts), ctx)
+
+    def run_codes(self, op: int, dtype: int, rop: int, root: int, send: Any, recv: Any,
+                  counts: tuple[int, ...], ctx: OpCtx) -> None:
+        """One operation by its codes (OPS, DTYPES, REDUCE_OPS); buffers as the board
+        takes them (any C-contiguous buffer; None where this rank has none)."""
+        if self.board.run(op, dtype, rop, root, send, recv, counts):
+            self._slow(ctx)
+
+    def _slow(self, ctx: OpCtx) -> None:
+        board = self.board
+        try:
+            while True:
+                self.check()
+                now = time.monotonic()
+                if now > ctx.deadline:
+                    raise ctx.timeout_error(self.waiting_for())
+                if board.sleep(min(MAX_SLEEP_S, max(ctx.deadline - now, 0.001))):
+                    if not board.resume():
+                        return
+        except BaseException:
+            board.abandon()  # the operation failed: let go of its buffers
+            raise
+
+    def waiting_for(self) -> str:
+        stage, ranks = self.board.waiting()
+        text = "rank(s) " + ", ".join(str(r) for r in ranks)
+        return text + " to finish the previous operation" if stage == 1 else text
+
+    def close(self) -> None:
+        self.board.close()

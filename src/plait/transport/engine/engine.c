@@ -1,0 +1,781 @@
+/* plait.transport._engine: the compiled data path of the direct shared-memory collectives.
+ *
+ * A Board runs whole collectives among the ranks of one host through the slots of the
+ * host's segment (layout in plait/transport/shm.py: 64 int64 control words per rank,
+ * then two banks of one slot per rank). One operation, sequence number s:
+ *
+ *   1. wait until every rank has finished operation s-2 (its done word >= s-2): the
+ *      slots of bank s&1 are free again;
+ *   2. write this rank's contribution into its slot, store s into its arrive word,
+ *      ring every peer's doorbell;
+ *   3. wait until the ranks it needs have arrived (arrive >= s);
+ *   4. read their slots (copy or reduce, in rank order: bit-identical on every rank),
+ *      store s into its done word, wake peers that sleep.
+ *
+ * Waits are resumable: run()/resume() return 0 when the operation is complete and 1 when
+ * a wait spun for its budget without the condition holding (or an abort notice
+ * appeared). The caller then checks health and the deadline in Python, sleeps with
+ * sleep() (futex, GIL released) and calls resume(). That keeps every error, its typed
+ * exception and its message in one place (plait.health), while the common case, a peer
+ * that arrives within the spin, is one call from Python to the finished result.
+ *
+ * Memory ordering: arrive/done words and the doorbell use sequentially consistent
+ * atomics. A sleeper sets its sleeping flag, then reads the doorbell, then re-checks its
+ * condition; a publisher stores its word, bumps the doorbell, then reads the flag. Under
+ * a single total order either the sleeper sees the new word or the publisher sees the
+ * flag and wakes it, so no wake-up is lost (every sleep is also bounded by its timeout).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "reduce.h"
+
+/* control words per rank and their indices: must match plait/transport/shm.py */
+#define CTL_WORDS 64
+#define W_BELL 0
+#define W_ARRIVE 2
+#define W_DONE 3
+#define W_ABORT 7
+
+/* operation codes: must match plait/transport/engine.py */
+enum { OP_ALLREDUCE, OP_REDUCE, OP_BROADCAST, OP_ALLGATHERV, OP_GATHER, OP_SCATTER,
+       OP_REDUCE_SCATTER, OP_ALLTOALL, OP_BARRIER, OP_COUNT };
+
+/* Above this many bytes a copy or a reduction releases the GIL: below it, releasing and
+ * re-taking the GIL costs more than other threads gain. */
+#define GIL_FREE_BYTES (64u << 10)
+
+/* Spin this long holding the GIL before releasing it for the rest of the spin: a peer
+ * that is already on its way arrives within it, and the call then returns without
+ * touching the thread state. */
+#define HELD_SPIN_NS 3000u
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield" ::: "memory");
+#else
+    atomic_signal_fence(memory_order_seq_cst);
+#endif
+}
+
+static inline uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer seg;      /* held export of the segment's mapping: it cannot be unmapped */
+    int held;           /* seg is held */
+    int n, me;
+    int64_t *ctl;       /* n rows of CTL_WORDS */
+    char *slots;        /* 2 banks x n slots */
+    size_t slot_size;
+    uint64_t spin_ns;
+    int yield_cpu;      /* more ranks than cores: yield the core while spinning */
+    int64_t seq;        /* sequence number of the last operation begun */
+    /* the operation in progress */
+    int stage;          /* 0 none, 1 waiting for slots to be free, 2 waiting for arrivals */
+    int code, dtype, rop, root;
+    int needs;          /* -1: every rank, -2: none, else that one rank */
+    Py_buffer send, recv;
+    int has_send, has_recv;
+    Py_ssize_t *counts; /* allgatherv: elements from each rank */
+    size_t isz;
+} Board;
+
+static inline _Atomic int64_t *word(Board *b, int rank, int w)
+{
+    return (_Atomic int64_t *)(b->ctl + (size_t)rank * CTL_WORDS + w);
+}
+
+/* a rank's doorbell: [0] the futex word, [1] its "sleeping" flag */
+static inline _Atomic int32_t *bell(Board *b, int rank)
+{
+    return (_Atomic int32_t *)(b->ctl + (size_t)rank * CTL_WORDS + W_BELL);
+}
+
+static inline char *slot(Board *b, int64_t s, int rank)
+{
+    return b->slots + ((size_t)(s & 1) * (size_t)b->n + (size_t)rank) * b->slot_size;
+}
+
+static void futex_wake(_Atomic int32_t *addr)
+{
+    syscall(SYS_futex, (void *)addr, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+}
+
+static void ring(Board *b, int rank, int always)
+{
+    _Atomic int32_t *w = bell(b, rank);
+    if (always) {
+        atomic_fetch_add(&w[0], 1);
+        if (atomic_load(&w[1]))
+            futex_wake(&w[0]);
+    } else if (atomic_load(&w[1])) {
+        atomic_fetch_add(&w[0], 1);
+        futex_wake(&w[0]);
+    }
+}
+
+static int ready(Board *b)
+{
+    if (b->stage == 1) {
+        int64_t want = b->seq - 2;
+        for (int k = 0; k < b->n; k++)
+            if (atomic_load(word(b, k, W_DONE)) < want)
+                return 0;
+        return 1;
+    }
+    if (b->stage == 2) {
+        if (b->needs == -2)
+            return 1;
+        if (b->needs >= 0)
+            return atomic_load(word(b, b->needs, W_ARRIVE)) >= b->seq;
+        for (int k = 0; k < b->n; k++)
+            if (atomic_load(word(b, k, W_ARRIVE)) < b->seq)
+                return 0;
+        return 1;
+    }
+    return 1;
+}
+
+static int aborted(Board *b)
+{
+    for (int k = 0; k < b->n; k++)
+        if (atomic_load_explicit(word(b, k, W_ABORT), memory_order_relaxed))
+            return 1;
+    return 0;
+}
+
+/* Spin until ready (1) or until the budget is spent or an abort notice appears (0). */
+static int spin_loop(Board *b, uint64_t t0, uint64_t until)
+{
+    for (unsigned i = 1;; i++) {
+        if (ready(b))
+            return 1;
+        if (b->yield_cpu)
+            sched_yield();
+        else
+            cpu_relax();
+        if ((i & 63) == 0) {
+            if (now_ns() - t0 >= until || aborted(b))
+                return 0;
+        }
+    }
+}
+
+static int spin(Board *b)
+{
+    if (ready(b))
+        return 1;
+    uint64_t t0 = now_ns();
+    uint64_t held = b->spin_ns < HELD_SPIN_NS ? b->spin_ns : HELD_SPIN_NS;
+    if (spin_loop(b, t0, held))
+        return 1;
+    if (b->spin_ns <= held)
+        return 0;
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = spin_loop(b, t0, b->spin_ns);
+    Py_END_ALLOW_THREADS
+    return ok;
+}
+
+/* -- what each operation writes and reads ---------------------------------------------- */
+
+static void copy(void *dst, const void *src, size_t n)
+{
+    if (n >= GIL_FREE_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        memcpy(dst, src, n);
+        Py_END_ALLOW_THREADS
+    } else if (n) {
+        memcpy(dst, src, n);
+    }
+}
+
+static void reduce_slots(Board *b, void *out, size_t byte_off, size_t count)
+{
+    const void *rows[256];
+    const void **r = b->n <= 256 ? rows : PyMem_Malloc(sizeof(void *) * (size_t)b->n);
+    if (r == NULL) {
+        PyErr_NoMemory(); /* the caller checks PyErr_Occurred */
+        return;
+    }
+    for (int k = 0; k < b->n; k++)
+        r[k] = slot(b, b->seq, k) + byte_off;
+    if (count * b->isz >= GIL_FREE_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        pl_reduce_rows(b->dtype, b->rop, out, r, b->n, count);
+        Py_END_ALLOW_THREADS
+    } else {
+        pl_reduce_rows(b->dtype, b->rop, out, r, b->n, count);
+    }
+    if (r != rows)
+        PyMem_Free(r);
+}
+
+/* step 2 before publishing: this rank's contribution into its slot */
+static void write_own(Board *b)
+{
+    char *mine = slot(b, b->seq, b->me);
+    switch (b->code) {
+    case OP_ALLREDUCE:
+    case OP_REDUCE:
+        copy(mine, b->recv.buf, (size_t)b->recv.len);
+        break;
+    case OP_BROADCAST:
+        if (b->me == b->root)
+            copy(mine, b->recv.buf, (size_t)b->recv.len);
+        break;
+    case OP_SCATTER:
+        if (b->me == b->root) {
+            size_t c = (size_t)b->recv.len;
+            copy(mine, b->send.buf, (size_t)b->send.len);
+            copy(b->recv.buf, (char *)b->send.buf + (size_t)b->me * c, c);
+        }
+        break;
+    case OP_ALLGATHERV:
+    case OP_GATHER:
+    case OP_REDUCE_SCATTER:
+    case OP_ALLTOALL:
+        copy(mine, b->send.buf, (size_t)b->send.len);
+        break;
+    default:
+        break;
+    }
+}
+
+/* step 4 once the needed ranks have arrived: read their slots */
+static void read_peers(Board *b)
+{
+    char *out = b->has_recv ? b->recv.buf : NULL;
+    int64_t s = b->seq;
+    switch (b->code) {
+    case OP_ALLREDUCE:
+        reduce_slots(b, out, 0, (size_t)b->recv.len / b->isz);
+        break;
+    case OP_REDUCE:
+        if (b->me == b->root)
+            reduce_slots(b, out, 0, (size_t)b->recv.len / b->isz);
+        break;
+    case OP_BROADCAST:
+        if (b->me != b->root)
+            copy(out, slot(b, s, b->root), (size_t)b->recv.len);
+        break;
+    case OP_SCATTER:
+        if (b->me != b->root) {
+            size_t c = (size_t)b->recv.len;
+            copy(out, slot(b, s, b->root) + (size_t)b->me * c, c);
+        }
+        break;
+    case OP_ALLGATHERV: {
+        size_t off = 0;
+        for (int k = 0; k < b->n; k++) {
+            size_t c = (size_t)b->counts[k] * b->isz;
+            copy(out + off, slot(b, s, k), c);
+            off += c;
+        }
+        break;
+    }
+    case OP_GATHER:
+        if (b->me == b->root) {
+            size_t c = (size_t)b->send.len;
+            for (int k = 0; k < b->n; k++)
+                copy(out + (size_t)k * c, slot(b, s, k), c);
+        }
+        break;
+    case OP_REDUCE_SCATTER: {
+        size_t count = (size_t)b->recv.len / b->isz;
+        reduce_slots(b, out, (size_t)b->me * count * b->isz, count);
+        break;
+    }
+    case OP_ALLTOALL: {
+        size_t c = (size_t)b->recv.len / (size_t)b->n;
+        for (int k = 0; k < b->n; k++)
+            copy(out + (size_t)k * c, slot(b, s, k) + (size_t)b->me * c, c);
+        break;
+    }
+    default:
+        break;
+    }
+}
+
+static void release_op(Board *b)
+{
+    if (b->has_send)
+        PyBuffer_Release(&b->send);
+    if (b->has_recv)
+        PyBuffer_Release(&b->recv);
+    b->has_send = b->has_recv = 0;
+    PyMem_Free(b->counts);
+    b->counts = NULL;
+    b->stage = 0;
+}
+
+/* Store this rank's word (arrive or done) and ring its peers: every peer after an
+ * arrival (a waiter may be spinning on it), only sleeping ones after done. */
+static void announce(Board *b, int w, int always)
+{
+    atomic_store(word(b, b->me, w), b->seq);
+    for (int k = 0; k < b->n; k++)
+        if (k != b->me)
+            ring(b, k, always);
+}
+
+/* Run the operation in progress as far as it goes: 0 complete, 1 a wait is pending. */
+static int advance(Board *b)
+{
+    if (b->stage == 1) {
+        if (!spin(b))
+            return 1;
+        write_own(b);
+        announce(b, W_ARRIVE, 1);
+        b->stage = 2;
+    }
+    if (b->stage == 2) {
+        if (!spin(b))
+            return 1;
+        read_peers(b);
+        announce(b, W_DONE, 0);
+        release_op(b);
+    }
+    return 0;
+}
+
+/* -- the Python type ------------------------------------------------------------------ */
+
+static int Board_init(Board *b, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"segment", "n", "me", "ctl_offset", "slots_offset", "slot_size",
+                            "spin_ns", "yield_cpu", NULL};
+    PyObject *seg;
+    Py_ssize_t ctl_off, slots_off, slot_size;
+    unsigned long long spin_ns;
+    int n, me, yield_cpu;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OiinnnKp", names, &seg, &n, &me, &ctl_off,
+                                     &slots_off, &slot_size, &spin_ns, &yield_cpu))
+        return -1;
+    if (b->held) {
+        PyErr_SetString(PyExc_RuntimeError, "Board is already initialised");
+        return -1;
+    }
+    if (n < 1 || me < 0 || me >= n || ctl_off < 0 || slots_off < 0 || slot_size < 0) {
+        PyErr_SetString(PyExc_ValueError, "Board: bad geometry");
+        return -1;
+    }
+    if (PyObject_GetBuffer(seg, &b->seg, PyBUF_WRITABLE) < 0)
+        return -1;
+    b->held = 1;
+    Py_ssize_t need_ctl = ctl_off + (Py_ssize_t)n * CTL_WORDS * 8;
+    Py_ssize_t need_slots = slots_off + 2 * (Py_ssize_t)n * slot_size;
+    if (need_ctl > b->seg.len || need_slots > b->seg.len || (ctl_off & 7)) {
+        PyBuffer_Release(&b->seg);
+        b->held = 0;
+        PyErr_SetString(PyExc_ValueError, "Board: the segment is smaller than its layout");
+        return -1;
+    }
+    b->n = n;
+    b->me = me;
+    b->ctl = (int64_t *)((char *)b->seg.buf + ctl_off);
+    b->slots = (char *)b->seg.buf + slots_off;
+    b->slot_size = (size_t)slot_size;
+    b->spin_ns = spin_ns;
+    b->yield_cpu = yield_cpu;
+    b->seq = 0;
+    b->stage = 0;
+    return 0;
+}
+
+static void Board_dealloc(Board *b)
+{
+    release_op(b);
+    if (b->held)
+        PyBuffer_Release(&b->seg);
+    b->held = 0;
+    Py_TYPE(b)->tp_free((PyObject *)b);
+}
+
+static int get_buf(PyObject *o, Py_buffer *view, int writable, const char *what)
+{
+    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(o, view, flags) < 0) {
+        PyErr_Format(PyExc_TypeError, "engine: %s must be a contiguous%s buffer", what,
+                     writable ? " writable" : "");
+        return -1;
+    }
+    return 0;
+}
+
+static int too_big(Board *b, size_t bytes, const char *what)
+{
+    if (bytes <= b->slot_size)
+        return 0;
+    PyErr_Format(PyExc_ValueError, "engine: %s of %zu bytes does not fit a slot of %zu",
+                 what, bytes, b->slot_size);
+    return 1;
+}
+
+/* run(code, dtype, op, root, send, recv, counts) -> 0 done, 1 pending */
+static PyObject *Board_run(Board *b, PyObject *args)
+{
+    int code, dtype, rop, root;
+    PyObject *send, *recv, *counts;
+    if (!PyArg_ParseTuple(args, "iiiiOOO", &code, &dtype, &rop, &root, &send, &recv,
+                          &counts))
+        return NULL;
+    if (!b->held) {
+        PyErr_SetString(PyExc_RuntimeError, "engine: the board is closed");
+        return NULL;
+    }
+    if (b->stage != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "engine: an operation is already in progress");
+        return NULL;
+    }
+    if (code < 0 || code >= OP_COUNT || root < 0 || root >= b->n ||
+        pl_itemsize(dtype) == 0) {
+        PyErr_SetString(PyExc_ValueError, "engine: bad operation, dtype or root");
+        return NULL;
+    }
+    int reduces = code == OP_ALLREDUCE || code == OP_REDUCE || code == OP_REDUCE_SCATTER;
+    if (reduces && !pl_reduce_defined(dtype, rop)) {
+        PyErr_SetString(PyExc_TypeError, "engine: reduce op not defined for this dtype");
+        return NULL;
+    }
+    b->code = code;
+    b->dtype = dtype;
+    b->rop = rop;
+    b->root = root;
+    b->isz = pl_itemsize(dtype);
+    int is_root = b->me == root;
+    /* who writes what: buffers that a rank does not use may be None */
+    if (send != Py_None) {
+        if (get_buf(send, &b->send, 0, "send") < 0)
+            goto fail;
+        b->has_send = 1;
+    }
+    /* a rank that only contributes (reduce off the root, broadcast's root) may pass a
+     * read-only buffer: it is read, never written */
+    int reads_only = (code == OP_REDUCE && !is_root) || (code == OP_BROADCAST && is_root);
+    if (recv != Py_None) {
+        if (get_buf(recv, &b->recv, !reads_only, "recv") < 0)
+            goto fail;
+        b->has_recv = 1;
+    }
+    size_t n = (size_t)b->n;
+    switch (code) {
+    case OP_ALLREDUCE:
+    case OP_REDUCE:
+    case OP_BROADCAST:
+        if (!b->has_recv) {
+            PyErr_SetString(PyExc_TypeError, "engine: the operation needs its buffer");
+            goto fail;
+        }
+        if (too_big(b, (size_t)b->recv.len, "the buffer"))
+            goto fail;
+        break;
+    case OP_ALLGATHERV: {
+        if (!b->has_send || !b->has_recv)
+            goto need_both;
+        if (!PyTuple_Check(counts) || PyTuple_GET_SIZE(counts) != b->n) {
+            PyErr_SetString(PyExc_ValueError, "engine: allgatherv needs n counts");
+            goto fail;
+        }
+        b->counts = PyMem_Malloc(sizeof(Py_ssize_t) * n);
+        if (b->counts == NULL) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        size_t total = 0;
+        for (size_t k = 0; k < n; k++) {
+            Py_ssize_t c = PyLong_AsSsize_t(PyTuple_GET_ITEM(counts, k));
+            if (c < 0) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_ValueError, "engine: negative count");
+                goto fail;
+            }
+            b->counts[k] = c;
+            total += (size_t)c * b->isz;
+            if (too_big(b, (size_t)c * b->isz, "a rank's block"))
+                goto fail;
+        }
+        if ((size_t)b->send.len != (size_t)b->counts[b->me] * b->isz ||
+            (size_t)b->recv.len < total) {
+            PyErr_SetString(PyExc_ValueError, "engine: allgatherv buffers disagree with counts");
+            goto fail;
+        }
+        break;
+    }
+    case OP_GATHER:
+        if (!b->has_send || (is_root && !b->has_recv))
+            goto need_both;
+        if (too_big(b, (size_t)b->send.len, "the send buffer"))
+            goto fail;
+        if (is_root && (size_t)b->recv.len < n * (size_t)b->send.len) {
+            PyErr_SetString(PyExc_ValueError, "engine: gather's receive buffer is too small");
+            goto fail;
+        }
+        break;
+    case OP_SCATTER:
+        if (!b->has_recv || (is_root && !b->has_send))
+            goto need_both;
+        if (too_big(b, n * (size_t)b->recv.len, "the scattered buffer"))
+            goto fail;
+        if (is_root && (size_t)b->send.len < n * (size_t)b->recv.len) {
+            PyErr_SetString(PyExc_ValueError, "engine: scatter's send buffer is too small");
+            goto fail;
+        }
+        break;
+    case OP_REDUCE_SCATTER:
+    case OP_ALLTOALL:
+        if (!b->has_send || !b->has_recv)
+            goto need_both;
+        if (too_big(b, (size_t)b->send.len, "the send buffer"))
+            goto fail;
+        /* reduce_scatter: n blocks in, one out; alltoall: n blocks each way */
+        if ((code == OP_REDUCE_SCATTER ? (size_t)b->send.len != n * (size_t)b->recv.len
+                                       : (b->send.len != b->recv.len || b->recv.len % b->n)) ||
+            (size_t)b->recv.len % b->isz) {
+            PyErr_SetString(PyExc_ValueError,
+                            "engine: send and receive buffers disagree in size");
+            goto fail;
+        }
+        break;
+    default:
+        break;
+    }
+    if (code == OP_REDUCE)
+        b->needs = is_root ? -1 : -2;
+    else if (code == OP_GATHER)
+        b->needs = is_root ? -1 : -2;
+    else if (code == OP_BROADCAST || code == OP_SCATTER)
+        b->needs = is_root ? -2 : root;
+    else
+        b->needs = -1;
+    b->seq += 1;
+    b->stage = 1;
+    int rc = advance(b);
+    if (PyErr_Occurred()) {
+        release_op(b);
+        return NULL;
+    }
+    return PyLong_FromLong(rc);
+need_both:
+    PyErr_SetString(PyExc_TypeError, "engine: the operation is missing a buffer");
+fail:
+    release_op(b);
+    return NULL;
+}
+
+static PyObject *Board_resume(Board *b, PyObject *Py_UNUSED(ignored))
+{
+    if (b->stage == 0)
+        return PyLong_FromLong(0);
+    int rc = advance(b);
+    if (PyErr_Occurred()) {
+        release_op(b);
+        return NULL;
+    }
+    return PyLong_FromLong(rc);
+}
+
+/* sleep(timeout_s) -> whether the pending wait's condition now holds */
+static PyObject *Board_sleep(Board *b, PyObject *arg)
+{
+    double timeout = PyFloat_AsDouble(arg);
+    if (timeout == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (b->stage == 0 || ready(b))
+        Py_RETURN_TRUE;
+    _Atomic int32_t *w = bell(b, b->me);
+    atomic_store(&w[1], 1);
+    int32_t seen = atomic_load(&w[0]);
+    if (!ready(b)) {
+        if (timeout < 0)
+            timeout = 0;
+        struct timespec ts = {(time_t)timeout, (long)((timeout - (double)(time_t)timeout) * 1e9)};
+        Py_BEGIN_ALLOW_THREADS
+        syscall(SYS_futex, (void *)&w[0], FUTEX_WAIT, seen, &ts, NULL, 0);
+        Py_END_ALLOW_THREADS
+    }
+    atomic_store(&w[1], 0);
+    return PyBool_FromLong(ready(b));
+}
+
+/* waiting() -> (stage, ranks): what the pending wait still waits for
+ * (stage 1: ranks that have not finished the operation before last; 2: ranks that
+ * have not arrived) */
+static PyObject *Board_waiting(Board *b, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *ranks = PyList_New(0);
+    if (ranks == NULL)
+        return NULL;
+    for (int k = 0; k < b->n; k++) {
+        int late = 0;
+        if (b->stage == 1)
+            late = atomic_load(word(b, k, W_DONE)) < b->seq - 2;
+        else if (b->stage == 2 && (b->needs == -1 || b->needs == k))
+            late = atomic_load(word(b, k, W_ARRIVE)) < b->seq;
+        if (late) {
+            PyObject *r = PyLong_FromLong(k);
+            if (r == NULL || PyList_Append(ranks, r) < 0) {
+                Py_XDECREF(r);
+                Py_DECREF(ranks);
+                return NULL;
+            }
+            Py_DECREF(r);
+        }
+    }
+    return Py_BuildValue("(iN)", b->stage, ranks);
+}
+
+/* abandon(): forget the operation in progress (it failed); releases its buffers */
+static PyObject *Board_abandon(Board *b, PyObject *Py_UNUSED(ignored))
+{
+    release_op(b);
+    Py_RETURN_NONE;
+}
+
+/* close(): release the segment (and any operation's buffers); idempotent */
+static PyObject *Board_close(Board *b, PyObject *Py_UNUSED(ignored))
+{
+    release_op(b);
+    if (b->held)
+        PyBuffer_Release(&b->seg);
+    b->held = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Board_get_seq(Board *b, void *Py_UNUSED(c))
+{
+    return PyLong_FromLongLong(b->seq);
+}
+
+static PyObject *Board_get_pending(Board *b, void *Py_UNUSED(c))
+{
+    return PyBool_FromLong(b->stage != 0);
+}
+
+static PyMethodDef Board_methods[] = {
+    {"run", (PyCFunction)Board_run, METH_VARARGS,
+     "run(code, dtype, op, root, send, recv, counts) -> 0 done, 1 a wait is pending"},
+    {"resume", (PyCFunction)Board_resume, METH_NOARGS,
+     "continue the pending operation: 0 done, 1 still waiting"},
+    {"sleep", (PyCFunction)Board_sleep, METH_O,
+     "sleep(timeout_s) on this rank's doorbell; True once the pending wait can go on"},
+    {"waiting", (PyCFunction)Board_waiting, METH_NOARGS,
+     "(stage, ranks) the pending wait waits for"},
+    {"abandon", (PyCFunction)Board_abandon, METH_NOARGS, "drop the failed operation"},
+    {"close", (PyCFunction)Board_close, METH_NOARGS, "release the segment"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Board_getset[] = {
+    {"seq", (getter)Board_get_seq, NULL, "last sequence number begun", NULL},
+    {"pending", (getter)Board_get_pending, NULL, "an operation waits to be resumed", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject BoardType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "plait.transport._engine.Board",
+    .tp_basicsize = sizeof(Board),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The direct collectives over one host segment's slots.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Board_init,
+    .tp_dealloc = (destructor)Board_dealloc,
+    .tp_methods = Board_methods,
+    .tp_getset = Board_getset,
+};
+
+/* -- module functions ----------------------------------------------------------------- */
+
+/* reduce(dst, src, dtype, op): dst = dst op src, element-wise, in place */
+static PyObject *engine_reduce(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    PyObject *dst_o, *src_o;
+    int dtype, rop;
+    if (!PyArg_ParseTuple(args, "OOii", &dst_o, &src_o, &dtype, &rop))
+        return NULL;
+    if (!pl_reduce_defined(dtype, rop)) {
+        PyErr_SetString(PyExc_TypeError, "engine: reduce op not defined for this dtype");
+        return NULL;
+    }
+    Py_buffer dst, src;
+    if (get_buf(dst_o, &dst, 1, "dst") < 0)
+        return NULL;
+    if (get_buf(src_o, &src, 0, "src") < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    size_t isz = pl_itemsize(dtype);
+    if (dst.len != src.len || (size_t)dst.len % isz) {
+        PyErr_SetString(PyExc_ValueError, "engine: reduce needs equal whole buffers");
+    } else {
+        const void *rows[2] = {dst.buf, src.buf};
+        size_t count = (size_t)dst.len / isz;
+        if ((size_t)dst.len >= GIL_FREE_BYTES) {
+            Py_BEGIN_ALLOW_THREADS
+            pl_reduce_rows(dtype, rop, dst.buf, rows, 2, count);
+            Py_END_ALLOW_THREADS
+        } else {
+            pl_reduce_rows(dtype, rop, dst.buf, rows, 2, count);
+        }
+        res = Py_None;
+        Py_INCREF(res);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return res;
+}
+
+static PyMethodDef engine_methods[] = {
+    {"reduce", engine_reduce, METH_VARARGS,
+     "reduce(dst, src, dtype, op): dst = dst op src in place"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef engine_module = {
+    PyModuleDef_HEAD_INIT, "plait.transport._engine",
+    "plait's compiled shared-memory data path.", -1, engine_methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__engine(void)
+{
+    if (PyType_Ready(&BoardType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&engine_module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&BoardType);
+    if (PyModule_AddObject(m, "Board", (PyObject *)&BoardType) < 0) {
+        Py_DECREF(&BoardType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "CTL_WORDS", CTL_WORDS) < 0 ||
+        PyModule_AddIntConstant(m, "OP_COUNT", OP_COUNT) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
