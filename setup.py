@@ -9,7 +9,7 @@ import sys
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-ENGINE = "src/plait/transport/engine"
+ENGINE = "src/plait/transport/csrc"
 
 # Warnings on; no -march=native: the vector kernels pick their instruction set at load
 # time (reduce.c), so what is built here runs on any CPU of the architecture.

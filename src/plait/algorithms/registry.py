@@ -10,7 +10,7 @@ Kinds:
 - ``SCHEDULE``: point-to-point schedules (``plan``) that the executor runs; ``counts``
   gives their traffic in closed form (tests/test_registry.py checks it against the plans).
 - ``HOST``: runs whole on a host collective: today the direct shared-memory algorithms
-  of the compiled engine (transport/engine/engine.c), which exchange through slots and
+  of the compiled engine (transport/csrc/engine.c), which exchange through slots and
   have no schedule.
 - ``COMPOSITE``: phases on sub-communicators (algorithms/hier.py), each choosing its own
   flat algorithm.

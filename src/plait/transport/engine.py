@@ -1,6 +1,6 @@
 """The compiled engine's host collective: the direct shared-memory algorithms in C.
 
-``_engine.Board`` (transport/engine/engine.c) runs a whole operation through the slots
+``_engine.Board`` (transport/csrc/engine.c) runs a whole operation through the slots
 of the host segment: one call from here when every peer arrives within the spin. When a
 wait outlasts the spin, the board returns and the slow loop here takes over: it checks
 the communicator's health, enforces the deadline (with the same typed errors and
@@ -17,7 +17,7 @@ from ..reduce import ReduceOp
 from . import _engine
 from .base import DoneRequest, HostCall, OpCtx, Request
 
-# codes of transport/engine/engine.c and reduce.h
+# codes of transport/csrc/engine.c and reduce.h
 OPS: dict[str, int] = {
     "allreduce": 0, "reduce": 1, "broadcast": 2, "allgather": 3, "allgatherv": 3,
     "gather": 4, "scatter": 5, "reduce_scatter": 6, "alltoall": 7, "barrier": 8}
