@@ -1,25 +1,28 @@
-"""The synchronous small allreduce on numpy arrays, from the method call to the engine.
+"""The synchronous small allreduce on numpy arrays and torch tensors, straight to the
+engine.
 
 A latency-bound caller (tensor-parallel decode: about a hundred small allreduces per
 token) pays for every Python step between ``comm.allreduce(buf)`` and the compiled
 engine. This path keeps only what cannot be cached: the buffer's type, contiguity and
 size, one dict lookup for (dtype, op), the sequence number and flight-recorder slot
-(plait.progress), and the engine call. What it does not handle (torch tensors go through
-plait.calls, other sizes, async, a busy or broken communicator, bad arguments) returns
-False, and the general path takes the call — and raises its errors with their messages.
+(plait.progress), and the engine call. What it does not handle (tensor subclasses, other
+devices, other sizes, async, a busy or broken communicator, bad arguments) returns False
+having done nothing, and the general path (plait.calls) takes the call — and raises its
+errors with their messages.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from .buffers import Buf
+from .buffers import as_buf
 from .calls import Calls
 from .progress import Sequencer
-from .reduce import DType, ReduceOp, divide, dtype_of_numpy
+from .reduce import DType, ReduceOp, divide
 from .transport import engine
 from .transport.base import OpCtx
 
@@ -36,7 +39,9 @@ class FastPath:
         self._direct = direct  # whether selection picks the engine for this many bytes
         self._sizes: dict[int, bool] = {}
         # (numpy dtype, op as passed) -> (dtype code, op code, plait dtype, divide after)
-        self._ops: dict[tuple[np.dtype, Any], tuple[int, int, DType, bool]] = {}
+        self._ops: dict[tuple[Any, Any], tuple[int, int, DType, bool]] = {}
+        self._tensor: type | None = None
+        self._strided: Any = None
 
     @classmethod
     def make(cls, seq: Sequencer, host: object, calls: Calls, size: int,
@@ -49,7 +54,19 @@ class FastPath:
     def allreduce(self, buf: Any, op: Any) -> bool:
         """Run ``allreduce(buf, op)`` and return True, or return False having done
         nothing."""
-        if type(buf) is not np.ndarray:
+        kind = type(buf)
+        if kind is np.ndarray:
+            flags = buf.flags
+            if not (flags.c_contiguous and flags.writeable):
+                return False
+            at: Any = buf
+            nbytes = buf.nbytes
+        elif kind is self._tensor or (self._tensor is None and self._is_tensor(kind)):
+            if not (buf.is_cpu and buf.layout is self._strided and buf.is_contiguous()):
+                return False
+            at = buf.data_ptr()
+            nbytes = buf.nbytes
+        else:
             return False
         try:
             ent = self._ops.get((buf.dtype, op))
@@ -59,36 +76,50 @@ class FastPath:
             ent = self._learn(buf, op)
             if ent is None:
                 return False
-        nbytes = buf.nbytes
         ok = self._sizes.get(nbytes)
         if ok is None:
             ok = self._sizes[nbytes] = self._direct(nbytes)
             if len(self._sizes) > 4096:
                 self._sizes.clear()
-        flags = buf.flags
-        if not (ok and flags.c_contiguous and flags.writeable):
+        if not ok:
             return False
         dt, code, dtype, avg = ent
         run = self._host.run_codes
-
-        def fn(ctx: OpCtx) -> None:
-            run(_ALLREDUCE, dt, code, 0, None, buf, (), ctx)
+        if at is buf:
+            def fn(ctx: OpCtx) -> None:
+                run(_ALLREDUCE, dt, code, 0, None, buf, (), ctx)
+        else:
+            # a tensor exports no buffer: its address, kept valid by ``buf`` in this frame
+            def fn(ctx: OpCtx) -> None:
+                run(_ALLREDUCE, dt, code, 0, None, at, (), ctx, nbytes)
 
         if not self._seq.run_inline("allreduce", fn, nbytes, dtype, "direct"):
             return False
         if avg:
-            divide(buf, dtype, self._size)
+            if at is buf:
+                divide(buf, dtype, self._size)
+            else:
+                buf.div_(self._size)
         return True
 
-    def _learn(self, buf: np.ndarray, op: Any) -> tuple[int, int, DType, bool] | None:
-        dtype = dtype_of_numpy(buf.dtype)
-        if dtype is None:
-            return None
+    def _is_tensor(self, kind: type) -> bool:
+        """Whether ``kind`` is torch.Tensor (looked up once torch is imported: plait does
+        not import torch for numpy users)."""
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return False
+        self._tensor = torch.Tensor
+        self._strided = torch.strided
+        return kind is torch.Tensor
+
+    def _learn(self, buf: Any, op: Any) -> tuple[int, int, DType, bool] | None:
         try:
-            rop, _ = self._calls.reducer(op, Buf(buf.reshape(-1), dtype), "allreduce")
+            b = as_buf(buf, rank=self._calls.rank, op="allreduce", arg="buf", writable=True)
+            rop, _ = self._calls.reducer(op, b, "allreduce")
         except (TypeError, ValueError):
             return None  # the general path raises it with its message
-        ent = (engine.DTYPES[dtype.name], engine.REDUCE_OPS[rop], dtype, rop is ReduceOp.AVG)
+        dt = b.dtype
+        ent = (engine.DTYPES[dt.name], engine.REDUCE_OPS[rop], dt, rop is ReduceOp.AVG)
         if len(self._ops) > 256:
             self._ops.clear()
         self._ops[(buf.dtype, op)] = ent

@@ -74,10 +74,11 @@ class EngineHost:
                        call.recv, tuple(call.counts), ctx)
 
     def run_codes(self, op: int, dtype: int, rop: int, root: int, send: Any, recv: Any,
-                  counts: tuple[int, ...], ctx: OpCtx) -> None:
+                  counts: tuple[int, ...], ctx: OpCtx, nbytes: int = -1) -> None:
         """One operation by its codes (OPS, DTYPES, REDUCE_OPS); buffers as the board
-        takes them (any C-contiguous buffer; None where this rank has none)."""
-        if self.board.run(op, dtype, rop, root, send, recv, counts):
+        takes them (any C-contiguous buffer; None where this rank has none; with
+        ``nbytes``, ``recv`` is the address of that many bytes)."""
+        if self.board.run(op, dtype, rop, root, send, recv, counts, nbytes):
             self._slow(ctx)
 
     def _slow(self, ctx: OpCtx) -> None:

@@ -432,13 +432,18 @@ static int too_big(Board *b, size_t bytes, const char *what)
     return 1;
 }
 
-/* run(code, dtype, op, root, send, recv, counts) -> 0 done, 1 pending */
+/* run(code, dtype, op, root, send, recv, counts[, nbytes]) -> 0 done, 1 pending
+ *
+ * With nbytes, recv is the address of that many bytes instead of a buffer object (a
+ * torch tensor's data_ptr(): torch tensors do not export buffers); the caller keeps the
+ * memory alive until the operation completes or is abandoned. */
 static PyObject *Board_run(Board *b, PyObject *args)
 {
     int code, dtype, rop, root;
     PyObject *send, *recv, *counts;
-    if (!PyArg_ParseTuple(args, "iiiiOOO", &code, &dtype, &rop, &root, &send, &recv,
-                          &counts))
+    Py_ssize_t at_bytes = -1;
+    if (!PyArg_ParseTuple(args, "iiiiOOO|n", &code, &dtype, &rop, &root, &send, &recv,
+                          &counts, &at_bytes))
         return NULL;
     if (!b->held) {
         PyErr_SetString(PyExc_RuntimeError, "engine: the board is closed");
@@ -473,7 +478,17 @@ static PyObject *Board_run(Board *b, PyObject *args)
     /* a rank that only contributes (reduce off the root, broadcast's root) may pass a
      * read-only buffer: it is read, never written */
     int reads_only = (code == OP_REDUCE && !is_root) || (code == OP_BROADCAST && is_root);
-    if (recv != Py_None) {
+    if (at_bytes >= 0) {
+        void *addr = PyLong_AsVoidPtr(recv);
+        if (addr == NULL && (PyErr_Occurred() || at_bytes > 0)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "engine: null address");
+            goto fail;
+        }
+        /* no owner object: releasing this view is a no-op */
+        PyBuffer_FillInfo(&b->recv, NULL, addr, at_bytes, reads_only, PyBUF_SIMPLE);
+        b->has_recv = 1;
+    } else if (recv != Py_None) {
         if (get_buf(recv, &b->recv, !reads_only, "recv") < 0)
             goto fail;
         b->has_recv = 1;

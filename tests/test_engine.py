@@ -1,0 +1,226 @@
+"""The compiled shared-memory engine (plait.transport._engine): its reductions against the
+reference in one process, its rounding of 16-bit floats, its waits (a late peer, a peer
+that never comes) and its fast path, on real rank processes."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from plait.testing import reference as ref
+from plait.testing.data import DTYPE_NAMES, FLOAT_DTYPES, assert_equal, make, values
+
+PAIRS = list(itertools.product(DTYPE_NAMES, ref.OPS))
+
+
+def _storage(a: np.ndarray, dtype: str) -> np.ndarray:
+    """What the engine reduces: bfloat16 as its uint16 bits."""
+    if dtype == "bfloat16":
+        import torch
+
+        return torch.from_numpy(a).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return np.ascontiguousarray(a)
+
+
+def _from_storage(a: np.ndarray, dtype: str) -> Any:
+    if dtype == "bfloat16":
+        import torch
+
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return a
+
+
+def _defined(dtype: str, op: str) -> bool:
+    if dtype in FLOAT_DTYPES:
+        return op not in ref.BITWISE
+    return op != "avg"
+
+
+# ---------------------------------------------------------- reductions in one process
+
+
+@pytest.mark.parametrize(("dtype", "op"), PAIRS)
+def test_engine_reduce_matches_reference(dtype: str, op: str) -> None:
+    from plait.reduce import ReduceOp, divide
+    from plait.transport.engine import reduce_into
+
+    rop = ReduceOp.parse(op)
+    if not _defined(dtype, op):
+        if op == "avg" and dtype not in FLOAT_DTYPES:
+            return  # AVG is SUM plus a division here: plait.calls refuses it for integers
+        with pytest.raises(TypeError, match="not defined"):
+            reduce_into(np.zeros(4, np.uint8), np.zeros(4, np.uint8), dtype, rop)
+        return
+    # 0, 1, odd, and more than the kernels' block (2048 elements)
+    for count, size in ((0, 2), (1, 3), (7, 5), (5003, 3)):
+        inputs = [values(dtype, count, r, op=op) for r in range(size)]
+        acc = _storage(inputs[0], dtype).copy()
+        for a in inputs[1:]:
+            reduce_into(acc, _storage(a, dtype), dtype, rop)
+        if rop is ReduceOp.AVG:
+            from plait.reduce import DTYPES
+
+            divide(acc, DTYPES[dtype], size)
+        assert_equal(_from_storage(acc, dtype), ref.reduce_arrays(inputs, op, dtype),
+                     f"{dtype} {op} count {count} over {size}")
+
+
+def test_engine_reduce_nan_and_wraparound() -> None:
+    from plait.reduce import ReduceOp
+    from plait.transport.engine import reduce_into
+
+    a = np.array([np.nan, 1.0, -2.0, np.inf], np.float32)
+    b = np.array([0.0, np.nan, 3.0, -np.inf], np.float32)
+    for rop, want in ((ReduceOp.MAX, np.maximum(a, b)), (ReduceOp.MIN, np.minimum(a, b))):
+        got = a.copy()
+        reduce_into(got, b, "float32", rop)
+        assert_equal(got, want, rop.name)
+        assert np.isnan(got[0]) and np.isnan(got[1]), got  # NaN wins, as in numpy
+    x = np.array([127, -128, 100], np.int8)
+    reduce_into(x, np.array([1, -1, 100], np.int8), "int8", ReduceOp.SUM)
+    assert x.tolist() == [-128, 127, -56]
+
+
+def test_engine_reduce_rejects_bad_buffers() -> None:
+    from plait.reduce import ReduceOp
+    from plait.transport.engine import reduce_into
+
+    with pytest.raises(ValueError, match="equal whole buffers"):
+        reduce_into(np.zeros(4, np.float32), np.zeros(3, np.float32), "float32", ReduceOp.SUM)
+    with pytest.raises(TypeError, match="writable"):
+        ro = np.zeros(4, np.float32)
+        ro.flags.writeable = False
+        reduce_into(ro, np.zeros(4, np.float32), "float32", ReduceOp.SUM)
+
+
+# -------------------------------------------------------- 16-bit floats: rounded once
+
+
+def case_half_rounds_once(comm: Any) -> None:
+    """3 ranks: [2048, 1, 1] in float16 is 2050 when accumulated in float32 and rounded
+    once; rounding after every add would lose both ones (2049 rounds to 2048). The same
+    with [256, 1, 1] in bfloat16 (spacing 2 at 256)."""
+    import torch
+
+    for dtype, big in ((torch.float16, 2048.0), (torch.bfloat16, 256.0)):
+        t = torch.full((5,), big if comm.rank == 0 else 1.0, dtype=dtype)
+        comm.allreduce(t)
+        assert t.tolist() == [big + 2] * 5, (dtype, t)
+        # reduce and reduce_scatter fold the same way
+        r = torch.full((5,), big if comm.rank == 0 else 1.0, dtype=dtype)
+        comm.reduce(r, 1)
+        if comm.rank == 1:
+            assert r.tolist() == [big + 2] * 5, (dtype, r)
+        send = torch.full((3 * comm.size,), big if comm.rank == 0 else 1.0, dtype=dtype)
+        out = torch.empty(3, dtype=dtype)
+        comm.reduce_scatter(send, out)
+        assert out.tolist() == [big + 2] * 3, (dtype, out)
+
+
+def test_half_floats_rounded_once(pools: Any) -> None:
+    pools.get(3, "shm").run(case_half_rounds_once)
+
+
+# ---------------------------------------------------------------- waits: late peers
+
+
+def case_late_peer(comm: Any, late: int) -> None:
+    """Rank ``late`` enters each operation 0.2 s after the others: their waits outlast
+    the spin, sleep on the doorbell and resume; every result is exact."""
+    size, rank = comm.size, comm.rank
+    ops: list[tuple[str, Any]] = []
+
+    def allreduce() -> None:
+        buf = make("float32", 300, rank, op="sum")
+        comm.allreduce(buf)
+        want = ref.allreduce([values("float32", 300, r, op="sum") for r in range(size)], "sum")
+        assert_equal(buf, want[rank], "allreduce")
+
+    def broadcast() -> None:
+        buf = make("int32", 11, rank)
+        comm.broadcast(buf, late)
+        assert_equal(buf, values("int32", 11, late), "broadcast")
+
+    def allgather() -> None:
+        out = np.empty(5 * size, np.int64)
+        comm.allgather(make("int64", 5, rank), out)
+        assert_equal(out, np.concatenate([values("int64", 5, r) for r in range(size)]),
+                     "allgather")
+
+    def barrier() -> None:
+        comm.barrier()
+
+    ops = [("allreduce", allreduce), ("broadcast", broadcast), ("allgather", allgather),
+           ("barrier", barrier)]
+    for _name, fn in ops:
+        if rank == late:
+            time.sleep(0.2)
+        fn()
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_late_peer_wakes_waiters(pools: Any, size: int) -> None:
+    pools.get(size, "shm").run(case_late_peer, size - 1)
+
+
+def case_absent_peer_times_out(comm: Any) -> None:
+    """Rank 1 never enters the allreduce: rank 0's engine wait ends at the deadline with
+    the typed error naming the rank it waits for and the operation."""
+    from plait.errors import CommTimeoutError
+
+    if comm.rank == 0:
+        buf = np.arange(4, dtype=np.float32)
+        t0 = time.monotonic()
+        with pytest.raises(CommTimeoutError) as info:
+            comm.allreduce(buf)
+        took = time.monotonic() - t0
+        msg = str(info.value)
+        assert "rank 0, allreduce #" in msg and "rank(s) 1" in msg, msg
+        assert 0.9 < took < 5, took
+    else:
+        time.sleep(2.5)
+
+
+def test_absent_peer_times_out(pools: Any) -> None:
+    pools.get(2, "shm", timeout=1.0).run(case_absent_peer_times_out)
+
+
+# ------------------------------------------------------------------------- fast path
+
+
+def case_fast_path_falls_back(comm: Any) -> None:
+    """What the fast path does not take goes the general way, with its messages; a
+    rejected call takes no sequence number (the ranks stay in step)."""
+    import torch
+
+    rank, size = comm.rank, comm.size
+    strided = np.arange(10, dtype=np.float32)[::2]
+    with pytest.raises(ValueError, match=f"rank {rank}, allreduce: buf is not contiguous"):
+        comm.allreduce(strided)
+    ro = np.arange(4, dtype=np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        comm.allreduce(ro)
+    with pytest.raises(ValueError, match="unknown reduce op"):
+        comm.allreduce(np.zeros(3, np.float32), "mean")
+    # a tensor, a Parameter (a subclass: general path), a non-contiguous tensor's copy
+    t = torch.arange(6, dtype=torch.float32) + rank
+    comm.allreduce(t)
+    assert t.tolist() == [size * i + size * (size - 1) / 2 for i in range(6)]
+    p = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    comm.allreduce(p)
+    assert p.tolist() == [float(size)] * 3
+    a = np.full(4, rank + 1.0, np.float64)
+    comm.allreduce(a, "avg")
+    assert a.tolist() == [(size + 1) / 2] * 4
+    big = np.ones((1 << 20) // 4, np.float32)  # beyond the slot: the general path's ring
+    comm.allreduce(big)
+    assert (big == size).all()
+
+
+def test_fast_path_falls_back(pools: Any) -> None:
+    pools.get(2, "shm").run(case_fast_path_falls_back)
