@@ -39,6 +39,13 @@ class ClosedError(PlaitError):
     """The communicator was closed or aborted."""
 
 
+def timed_out(seconds: float) -> str:
+    """The start of every timeout message, in torch's convention (gloo's "Timed out
+    waiting 1000ms for ..."; torch's tests match ``" (Timed out|closed|timeout) "`` and
+    ``"Timed out waiting <N>ms"``): ``"Timed out waiting 1500ms"``."""
+    return f"Timed out waiting {max(0, round(seconds * 1000))}ms"
+
+
 def where(rank: int, op: str, seq: int | None = None) -> str:
     """The common prefix of error messages: ``rank 3, allreduce #41``."""
     return f"rank {rank}, {op}" + (f" #{seq}" if seq is not None else "")

@@ -383,7 +383,7 @@ class Health:
         self.dumped = True
         try:
             records = self.rec.records()
-            if isinstance(reason, str) and "timed out" in reason:
+            if isinstance(reason, str) and "Timed out" in reason:
                 log.warning("rank %d: %s\nflight record (newest last):\n%s", self.rank, reason,
                             flightrec.format_records(records))
             path = flightrec.dump(self.flight_dir, self.rank, self.uid, records, reason)
