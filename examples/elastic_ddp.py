@@ -78,19 +78,23 @@ def train_step(model: DDP, opt: torch.optim.Optimizer, step: int, group: Any) ->
     return float(total) / GLOBAL_BATCH
 
 
-def store(port: int, rank: int) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", port, is_master=False,
-                         timeout=datetime.timedelta(seconds=60))
+def join(rank: int, size: int, port: int, prefix: str) -> dist.TCPStore:
+    """Join the parent's store and a plait world under ``prefix``; the store client."""
+    import plait.torch  # noqa: F401 - registers the backend (an installed plait does)
+
+    torch.set_num_threads(1)
+    st = dist.TCPStore("127.0.0.1", port, is_master=False,
+                       timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("plait", store=dist.PrefixStore(prefix, st), rank=rank,
+                            world_size=size, timeout=datetime.timedelta(seconds=60))
+    return st
 
 
 def elastic_worker(rank: int, size: int, port: int, steps: int, state_path: str,
                    out: Any) -> None:
     import plait.torch
 
-    torch.set_num_threads(1)
-    st = store(port, rank)
-    dist.init_process_group("plait", store=dist.PrefixStore("elastic/", st), rank=rank,
-                            world_size=size, timeout=datetime.timedelta(seconds=60))
+    st = join(rank, size, port, "elastic/")
     net, opt = make_model()
     group = dist.group.WORLD
     model = DDP(net, process_group=group)
@@ -135,12 +139,7 @@ def elastic_worker(rank: int, size: int, port: int, steps: int, state_path: str,
 
 def reference_worker(rank: int, size: int, port: int, steps: int, state_path: str,
                      out: Any) -> None:
-    import plait.torch  # noqa: F401 - registers the backend
-
-    torch.set_num_threads(1)
-    st = store(port, rank)
-    dist.init_process_group("plait", store=dist.PrefixStore("reference/", st), rank=rank,
-                            world_size=size, timeout=datetime.timedelta(seconds=60))
+    join(rank, size, port, "reference/")
     net, opt = make_model()
     state = torch.load(state_path)
     net.load_state_dict(state["model"])

@@ -289,10 +289,10 @@ class Health:
         if self.failure is not None and self.failure.peer is not None:
             out.add(self.failure.peer)
         out.update(v - 1 for _, v in self.signals.notices() if v > 0)
-        meet = self.meet
-        for key, mode in self._keys() if meet is not None else ():
-            if meet is not None and meet.store.check([key]):
-                notice = _parse_notice(meet.store.get(key))
+        store = self.meet.store if self.meet is not None else None
+        for key, mode in self._keys() if store is not None else ():
+            if store.check([key]):
+                notice = _parse_notice(store.get(key))
                 if notice.get("what") == "aborted":
                     continue  # the aborting rank may well be shrinking too
                 lost = notice.get("lost") if mode is None else \
