@@ -213,7 +213,7 @@ def test_timeout_says_where_every_rank_is(pools: Any, transport: str, tmp_path: 
         assert rec[3]["bytes"] == 4 * BIG_COUNT and rec[3]["algorithm"]
         assert rec[0]["duration_us"] is not None and rec[0]["duration_us"] >= 0
         dumped = results[r]["dumped"]
-        assert dumped is not None and "timed out" in dumped["reason"], dumped
+        assert dumped is not None and "Timed out" in dumped["reason"], dumped
         assert dumped["records"][-1]["seq"] == 4
     from plait.cli.main import main
 
@@ -221,7 +221,61 @@ def test_timeout_says_where_every_rank_is(pools: Any, transport: str, tmp_path: 
     assert len(files) == 3, files
     assert main(["flightrec", *files]) == 0
     out = capsys.readouterr().out
-    assert out.count("#4 ") == 3 and "timed out" in out, out
+    assert out.count("#4 ") == 3 and "Timed out" in out, out
+
+
+# torch's own convention for timeout errors: torch/testing/_internal/distributed/
+# distributed_test.py asserts " (Timed out|closed|timeout) " (_test_barrier_timeout) and
+# "Timed out waiting 1ms" (test_barrier_timeout_arg, gloo's wording)
+TORCH_TIMEOUT_RE = " (Timed out|closed|timeout) "
+
+
+def case_barrier_alone(comm: Any) -> dict[str, Any]:
+    """Only rank 0 enters the barrier: it must time out in torch's wording."""
+    import plait
+
+    if comm.rank != 0:
+        return {}
+    t0 = time.monotonic()
+    with pytest.raises(plait.CommTimeoutError) as info:
+        comm.barrier()
+    return {"msg": str(info.value), "elapsed": time.monotonic() - t0}
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_barrier_timeout_matches_torch_convention(pools: Any, transport: str) -> None:
+    pool = pools.get(3, transport, timeout=1.0)
+    pool.reset()  # fresh communicators: the barrier is #1
+    res = pool.run(case_barrier_alone, reset_after=True)[0]
+    msg = res["msg"]
+    assert re.search(TORCH_TIMEOUT_RE, msg), msg
+    assert re.search(r"Timed out waiting 1000ms", msg), msg
+    # plait's detail is kept: rank, operation, sequence number, who it waited for
+    assert msg.startswith("rank 0, barrier #1: Timed out waiting 1000ms for "), msg
+    assert "ranks 1, 2" in msg, msg
+    assert 0.9 <= res["elapsed"] < 10, res
+
+
+def test_other_timeouts_match_torch_convention() -> None:
+    """Work.wait (its own timeout and the communicator's) and rendezvous store waits."""
+    import torch.distributed as dist
+
+    import plait
+    from plait.rendezvous import wait_key
+    from plait.work import Work
+
+    msgs = []
+    for work, t in ((Work(), 0.05), (Work(0.05, "rank 0, recv from rank 1 with tag 3"), None)):
+        with pytest.raises(plait.CommTimeoutError) as info:
+            work.wait(t)
+        msgs.append(str(info.value))
+    with pytest.raises(plait.CommTimeoutError) as info:
+        wait_key(dist.HashStore(), "plait/0/job", 0.05)
+    msgs.append(str(info.value))
+    for msg in msgs:
+        assert re.search(TORCH_TIMEOUT_RE, msg) and "Timed out waiting 50ms" in msg, msgs
+    assert msgs[1].startswith("rank 0, recv from rank 1 with tag 3: Timed out"), msgs
+    assert "'plait/0/job'" in msgs[2], msgs
 
 
 def test_flight_recorder_unit() -> None:

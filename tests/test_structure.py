@@ -60,6 +60,7 @@ LAYERS: dict[str, int] = {
     "plait.p2p": 5,
     "plait.args": 5,
     "plait.calls": 5,
+    "plait.shrink": 5,
     # 6 api
     "plait.comm": 6,
     "plait.check": 6,

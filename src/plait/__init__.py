@@ -15,9 +15,12 @@ from .errors import (
     MismatchError,
     PeerFailedError,
     PlaitError,
+    ShrinkExcludedError,
+    StoreLostError,
     TransportError,
 )
 from .reduce import ReduceOp
+from .shrink import ShrinkResult
 from .work import Work
 
 __version__ = "0.1.0"
@@ -31,6 +34,9 @@ __all__ = [
     "PeerFailedError",
     "PlaitError",
     "ReduceOp",
+    "ShrinkExcludedError",
+    "ShrinkResult",
+    "StoreLostError",
     "TransportError",
     "Work",
     "__version__",

@@ -36,3 +36,12 @@ def check_counts(counts: Any, size: int, rank: int, op: str, what: str) -> tuple
     if any(c < 0 for c in out):
         raise ValueError(f"rank {rank}, {op}: {what} has a negative count")
     return out
+
+
+def check_split(color: Any, key: Any, rank: int) -> None:
+    if color is not None and (isinstance(color, bool) or not isinstance(color, int)
+                              or color < 0):
+        raise ValueError(f"rank {rank}, split: color must be a non-negative int or None, "
+                         f"not {color!r}")
+    if isinstance(key, bool) or not isinstance(key, int):
+        raise ValueError(f"rank {rank}, split: key must be an int, not {key!r}")

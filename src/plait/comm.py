@@ -36,7 +36,7 @@ import numpy as np
 
 from .algorithms import registry
 from .algorithms.hier import Hier
-from .args import check_rank, check_tag
+from .args import check_rank, check_split, check_tag
 from .calls import Call, Calls, storage
 from .config import SETTINGS, Config, apply_log_level, disagreement, to_seconds
 from .errors import ClosedError, MismatchError
@@ -49,6 +49,7 @@ from .membership import ALL, MEMBERS, Group, Origin
 from .p2p import PointToPoint
 from .progress import Sequencer
 from .rendezvous import Meeting, key_prefix, launcher_rank_size, store_from_env, wait_key
+from .shrink import ShrinkResult, shrink_communicator
 from .transport.base import OpCtx
 from .transport.futex import private_bell
 from .tuning import selector
@@ -154,10 +155,10 @@ class Communicator:
         self._cfg = origin.cfg
         self._closed = False
         self._split_seq = 0
+        self._shrink_gen = 0
         self._hier: Hier | None = None
         self._children: weakref.WeakSet[Communicator] = weakref.WeakSet()
         self._calls = Calls(rank, size)
-        self._sel_cache: dict[tuple[str, int, int], registry.Algorithm] = {}
         self._fabric: Fabric | None = None
         deadline = time.monotonic() + self.timeout
         infos = _rendezvous(origin, rank, size, deadline)
@@ -192,6 +193,7 @@ class Communicator:
             selector.situation(size, g.all_local and size > 1, bool(g.remote),
                                self._cfg.shm_slot_size, g.topology, self._cfg.transport != "tcp"),
             composite=origin.composite)
+        self._choose = selector.Chooser(self._situation, self._cfg.algo)
         if self._cfg.debug == "check":
             from . import check
 
@@ -260,17 +262,6 @@ class Communicator:
         self.close()
 
     # -- dispatch -------------------------------------------------------------------------
-
-    def _choose(self, op: str, nbytes: int, slot_bytes: int) -> registry.Algorithm:
-        key = (op, nbytes, slot_bytes)
-        alg = self._sel_cache.get(key)
-        if alg is None:
-            name = selector.select(op, nbytes, slot_bytes, self._situation, self._cfg.algo)
-            alg = registry.get(op, name)
-            if len(self._sel_cache) > 4096:
-                self._sel_cache.clear()
-            self._sel_cache[key] = alg
-        return alg
 
     def _launch(self, call: Call, async_op: bool) -> Work | None:
         op = call.op
@@ -429,12 +420,7 @@ class Communicator:
     def split(self, color: int | None, key: int = 0) -> Communicator | None:
         """Collective over this communicator: ranks with equal ``color`` form a new
         communicator, ordered by (key, rank here); ``color=None`` gets None."""
-        if color is not None and (isinstance(color, bool) or not isinstance(color, int)
-                                  or color < 0):
-            raise ValueError(f"rank {self.rank}, split: color must be a non-negative int or "
-                             f"None, not {color!r}")
-        if isinstance(key, bool) or not isinstance(key, int):
-            raise ValueError(f"rank {self.rank}, split: key must be an int, not {key!r}")
+        check_split(color, key, self.rank)
         mine = np.array([-1 if color is None else color, key], dtype=np.int64)
         everyone = np.empty(2 * self.size, dtype=np.int64)
         self.allgather(mine, everyone)
@@ -447,17 +433,31 @@ class Communicator:
         return self._derive([r for _, r in members], f"split{self._split_seq}/c{color}",
                             MEMBERS)
 
+    def shrink(self, exclude: Sequence[int] | None = None, *,
+               timeout: float | datetime.timedelta | None = None) -> ShrinkResult[Communicator]:
+        """Every survivor calls it, also on a communicator broken by a failure: the ranks
+        alive, joined within ``timeout`` (default: the communicator's) and in no
+        survivor's ``exclude``, agreed on through the store and renumbered in order, with
+        the last collective completed on all of them (plait.shrink, ShrinkResult)."""
+        self._shrink_gen += 1
+        return shrink_communicator(
+            self._health, self._seq.completed, self._shrink_gen, exclude,
+            to_seconds(timeout, self.timeout),
+            lambda ranks, tag: self._derive(ranks, tag, MEMBERS, adopt=False))
+
     def _derive(self, ranks: Sequence[int], tag: str, mode: str, *, composite: bool = True,
-                cfg: Config | None = None) -> Communicator:
+                cfg: Config | None = None, adopt: bool = True) -> Communicator:
         """The one way to make a communicator from this one: the ranks ``ranks`` (this
         communicator's numbering, in the child's order) meet under key ``tag`` in the
         store (no collective on this communicator, which may be busy or broken); ``mode``
-        says which of this communicator's failures break the child (membership.Scope)."""
+        says which of this communicator's failures break the child (membership.Scope);
+        ``adopt``: ``abort()`` of this one aborts the child (not a shrunk successor)."""
         origin = self._origin.child(tag, mode=mode,
                                     host_local_rank=self._group.host_local_rank,
                                     composite=composite, cfg=cfg)
         child = Communicator(origin, list(ranks).index(self.rank), len(ranks))
-        self._children.add(child)
+        if adopt:
+            self._children.add(child)
         return child
 
     # -- closing --------------------------------------------------------------------------

@@ -39,6 +39,29 @@ class ClosedError(PlaitError):
     """The communicator was closed or aborted."""
 
 
+class ShrinkExcludedError(PlaitError):
+    """``shrink``: the survivors agreed on a communicator without this rank (it was
+    excluded, or did not join within the timeout). ``members``: the ranks kept (numbered
+    in the communicator that was shrunk)."""
+
+    def __init__(self, message: str, rank: int, members: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.members = members
+
+
+class StoreLostError(PlaitError):
+    """The rendezvous store stopped answering where it is needed to agree (``shrink``):
+    shrink needs a store that outlives the lost rank."""
+
+
+def timed_out(seconds: float) -> str:
+    """The start of every timeout message, in torch's convention (gloo's "Timed out
+    waiting 1000ms for ..."; torch's tests match ``" (Timed out|closed|timeout) "`` and
+    ``"Timed out waiting <N>ms"``): ``"Timed out waiting 1500ms"``."""
+    return f"Timed out waiting {max(0, round(seconds * 1000))}ms"
+
+
 def where(rank: int, op: str, seq: int | None = None) -> str:
     """The common prefix of error messages: ``rank 3, allreduce #41``."""
     return f"rank {rank}, {op}" + (f" #{seq}" if seq is not None else "")

@@ -271,6 +271,37 @@ class Health:
             self.failure = None
         return exc
 
+    # -- what shrink asks (plait.shrink) ---------------------------------------------------
+
+    def dead_ranks(self) -> set[int]:
+        """Local ranks whose process is gone, or that closed this communicator: direct
+        evidence, read from the segment and the pidfd watches (never raises)."""
+        out = {r for r, _ in self.signals.dead_peers()}
+        out.update(r for r, st in self.signals.peer_states().items() if st.closed)
+        return out
+
+    def lost_ranks(self) -> set[int]:
+        """Every rank this one knows to be lost, without raising: recorded losses, dead
+        local processes, shared-memory notices and the store's notices (this
+        communicator's, and its ancestors' translated by process). A store error
+        propagates (the caller says what it means)."""
+        out = set(self.lost) | self.dead_ranks()
+        if self.failure is not None and self.failure.peer is not None:
+            out.add(self.failure.peer)
+        out.update(v - 1 for _, v in self.signals.notices() if v > 0)
+        store = self.meet.store if self.meet is not None else None
+        for key, mode in self._keys() if store is not None else ():
+            if store.check([key]):
+                notice = _parse_notice(store.get(key))
+                if notice.get("what") == "aborted":
+                    continue  # the aborting rank may well be shrinking too
+                lost = notice.get("lost") if mode is None else \
+                    self.group.rank_of(notice.get("lost_id"))
+                if isinstance(lost, int) and 0 <= lost < self.group.size:
+                    out.add(lost)
+        out.discard(self.rank)
+        return out
+
     # -- publishing ------------------------------------------------------------------------
 
     def on_failure(self, exc: BaseException) -> None:
@@ -383,7 +414,7 @@ class Health:
         self.dumped = True
         try:
             records = self.rec.records()
-            if isinstance(reason, str) and "timed out" in reason:
+            if isinstance(reason, str) and "Timed out" in reason:
                 log.warning("rank %d: %s\nflight record (newest last):\n%s", self.rank, reason,
                             flightrec.format_records(records))
             path = flightrec.dump(self.flight_dir, self.rank, self.uid, records, reason)

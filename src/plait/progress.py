@@ -39,6 +39,7 @@ class Sequencer:
         # (their timeout reports): one store on the hot path
         self.mark_done = mark_done
         self.seq = 0
+        self.completed = 0  # the last collective that completed here (in issue order)
         self.closed = False
         self.broken: BaseException | None = None
         self.cur: OpCtx | None = None
@@ -132,6 +133,7 @@ class Sequencer:
                 raise
             raise err from exc
         slot[ENDED] = time.monotonic()  # type: ignore[index]
+        self.completed = seq
         if self.mark_done is not None:
             self.mark_done(seq)
         if health.status_seq == seq:  # it said "waiting" in the store: now done

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-from .errors import CommTimeoutError
+from .errors import CommTimeoutError, timed_out
 
 # (rank variable, size variable, launcher) in priority order: first match wins.
 LAUNCHERS = (
@@ -211,7 +211,7 @@ def wait_key(store: Any, key: str, timeout_s: float) -> bytes:
         if store.check([key]):
             return bytes(store.get(key))
         if time.monotonic() > deadline:
-            raise CommTimeoutError(f"rendezvous: key {key!r} did not appear within "
-                                   f"{timeout_s:g} s (did every rank join?)")
+            raise CommTimeoutError(f"rendezvous: {timed_out(timeout_s)} for key {key!r} to "
+                                   f"appear ({timeout_s:g} s; did every rank join?)")
         time.sleep(delay)
         delay = min(delay * 2, 0.05)

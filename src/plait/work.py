@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .config import to_seconds
-from .errors import CommTimeoutError
+from .errors import CommTimeoutError, timed_out
 
 log = logging.getLogger("plait")
 
@@ -66,11 +66,13 @@ class Work:
         t = None if timeout is None else to_seconds(timeout, 0.0)
         if t is None and self._timeout is not None:
             if not self._event.wait(self._timeout):
-                raise CommTimeoutError(f"{self._what}: not completed within the "
-                                       f"communicator's timeout of {self._timeout:g} s")
+                raise CommTimeoutError(f"{self._what}: {timed_out(self._timeout)} for it "
+                                       "to complete (the communicator's timeout, "
+                                       f"{self._timeout:g} s)")
         elif not self._event.wait(t):
-            raise CommTimeoutError(f"Work.wait: not completed within {t:g} s (the operation "
-                                   "is still running)")
+            raise CommTimeoutError(f"Work.wait: {timed_out(t)} for the operation to complete "
+                                   f"(this wait's timeout, {t:g} s; the operation is still "
+                                   "running)")
         if self._exc is not None:
             raise self._exc
         return True

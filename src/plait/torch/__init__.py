@@ -23,6 +23,7 @@ def _torch_is_importing() -> bool:
 
 try:
     from .backend import BACKEND_NAME, PlaitWork, ProcessGroupPlait, register
+    from .elastic import shrink
 
     register()
 except Exception:
@@ -31,4 +32,4 @@ except Exception:
     if not _torch_is_importing():
         raise
 
-__all__ = ["BACKEND_NAME", "PlaitWork", "ProcessGroupPlait", "register"]
+__all__ = ["BACKEND_NAME", "PlaitWork", "ProcessGroupPlait", "register", "shrink"]

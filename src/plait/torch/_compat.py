@@ -32,6 +32,10 @@ private torch name.
   ``_get_pg_default_device`` ("Default device not found", DCP of FSDP1 models).
   :class:`ServesDevices` overrides the property; C++ readers still see no backend, so
   any path that would fetch a C++ backend through ``_get_backend`` fails loudly as before.
+- ``distributed_c10d._register_pg_in_world``: enters a group made outside ``new_group``
+  (``plait.torch.shrink``) in torch's tables (backend and store, name, global ranks,
+  the name registry functional collectives resolve), as torch's own ``shrink_group``
+  does; torch's ``shrink_group`` itself needs a C++ backend.
 """
 
 from __future__ import annotations
@@ -116,6 +120,14 @@ def wait_seconds(timeout: Any) -> float | None:
     return seconds if seconds > 0 else None
 
 
+def register_group(pg: Any, backend: str, store: Any, name: str,
+                   global_to_group: dict[int, int]) -> None:
+    """Enter ``pg`` (made outside ``new_group``) in torch's process-group tables."""
+    dist.distributed_c10d._register_pg_in_world(
+        pg=pg, backend_name=backend, store=store, group_name=name,
+        backend_config=f"cpu:{backend}", rank_mapping=global_to_group)
+
+
 def check() -> list[str]:
     """Problems with the private torch APIs above in this torch build (empty when fine)."""
     problems: list[str] = []
@@ -134,6 +146,9 @@ def check() -> list[str]:
          "record_function._call_end_callbacks_on_future is gone")
     need(callable(getattr(torch.autograd, "_profiler_enabled", None)),
          "torch.autograd._profiler_enabled is gone")
+    need(callable(getattr(dist.distributed_c10d, "_register_pg_in_world", None)),
+         "distributed_c10d._register_pg_in_world is gone (plait.torch.shrink cannot enter "
+         "its group in torch's tables)")
     try:
         from torch.distributed.distributed_c10d import _DistributedBackendOptions
 

@@ -278,14 +278,19 @@ class ProcessGroupPlait(ServesDevices, dist.ProcessGroup):  # type: ignore[misc]
 
     def __init__(self, store: dist.Store, rank: int, size: int,
                  timeout: datetime.timedelta | float | None = None, *,
-                 group_name: str = "", config: Config | None = None) -> None:
+                 group_name: str = "", config: Config | None = None,
+                 comm: plait.Communicator | None = None) -> None:
+        """``comm``: an existing communicator of this rank and size to run on (a shrunk
+        one: plait.torch.shrink) instead of one made by ``plait.init`` on ``store``."""
         # torch 2.13: passing the store to the base constructor fails ("returned holder-
         # wrapped instance is not an alias instance"); plait keeps it (TORCH_NOTES.md).
         super().__init__(rank, size)  # type: ignore[call-arg]
         self._store: dist.Store | None = store
-        self._comm: Any = plait.init(rank, size, store=store, timeout=timeout, config=config)
+        self._comm: Any = comm if comm is not None else plait.init(
+            rank, size, store=store, timeout=timeout, config=config)
         self._group_name = group_name
         self._group_desc = ""
+        self.shrink_result: plait.ShrinkResult[plait.Communicator] | None = None
         self._coalesced: list[PlaitWork] | None = None
         self._closed = False
         self._check: CollectiveCheck | None = None
@@ -318,6 +323,11 @@ class ProcessGroupPlait(ServesDevices, dist.ProcessGroup):  # type: ignore[misc]
     def comm(self) -> plait.Communicator:
         """The plait communicator under this group."""
         return self._comm
+
+    @property
+    def store(self) -> dist.Store | None:
+        """The store this group met on (None once destroyed)."""
+        return self._store
 
     # -- the two paths --------------------------------------------------------------
     def _sync(self, name: str, start: Callable[[], Any], finish: Finish | None) -> WorkBase:

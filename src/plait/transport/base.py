@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from ..errors import CommTimeoutError
+from ..errors import CommTimeoutError, timed_out
 from ..reduce import DType, ReduceOp, Reducer
 from . import wire
 from .futex import Bell
@@ -63,8 +63,8 @@ class OpCtx:
         return f"rank {self.rank}, {self.name} #{self.seq}"
 
     def timeout_error(self, waiting_for: str) -> BaseException:
-        message = (f"{self.where}: timed out after {self.timeout:g} s waiting for "
-                   f"{waiting_for}")
+        message = (f"{self.where}: {timed_out(self.timeout)} for {waiting_for} (the "
+                   f"operation's timeout, {self.timeout:g} s)")
         if self.on_timeout is None:
             return CommTimeoutError(message)
         return self.on_timeout(self, message)
@@ -128,7 +128,7 @@ class P2PSink(Protocol):
 
 WaitFor = Callable[[Callable[[], bool], str], None]
 """``wait_for(ready, what)``: block until ``ready()``, with the operation's deadline and
-failure checks; ``what`` completes "timed out waiting for ..."."""
+failure checks; ``what`` completes "Timed out waiting <N>ms for ..."."""
 
 
 @dataclass(frozen=True)

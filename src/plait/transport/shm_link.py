@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CommTimeoutError, MismatchError, PeerFailedError, PlaitError
+from ..errors import CommTimeoutError, MismatchError, PeerFailedError, PlaitError, timed_out
 from ..reduce import Reducer
 from . import cma, liveness, shm, wire
 from .base import CALLER, OpCtx, PeerState, Request, Site, WaitFor
@@ -341,8 +341,9 @@ def _make_segment(site: Site, local: list[int], me_local: int) -> shm.Segment:
             if time.monotonic() > site.deadline:
                 att = seg.ctl[:, shm.W_ATTACHED]
                 missing = [r for i, r in enumerate(local) if not att[i]]
-                raise CommTimeoutError(f"rank {site.rank}, init: local ranks {missing} did "
-                                       "not attach to shared memory in time")
+                raise CommTimeoutError(f"rank {site.rank}, init: {timed_out(site.timeout)} "
+                                       f"for local ranks {missing} to attach to shared "
+                                       "memory")
             time.sleep(0.0002)
     except BaseException:
         shm.unlink(name)

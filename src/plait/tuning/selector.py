@@ -189,6 +189,26 @@ def select(op: str, nbytes: int, slot_bytes: int, sit: Situation, overrides: str
     return choose(op, nbytes, sit, overrides, slot_bytes).algo
 
 
+class Chooser:
+    """One communicator's decisions, cached per (operation, size, slot content): the
+    algorithm from the registry (its situation and overrides never change)."""
+
+    def __init__(self, sit: Situation, overrides: str = "") -> None:
+        self.sit = sit
+        self.overrides = overrides
+        self.cache: dict[tuple[str, int, int], registry.Algorithm] = {}
+
+    def __call__(self, op: str, nbytes: int, slot_bytes: int) -> registry.Algorithm:
+        key = (op, nbytes, slot_bytes)
+        alg = self.cache.get(key)
+        if alg is None:
+            alg = registry.get(op, select(op, nbytes, slot_bytes, self.sit, self.overrides))
+            if len(self.cache) > 4096:
+                self.cache.clear()
+            self.cache[key] = alg
+        return alg
+
+
 @lru_cache(maxsize=4096)
 def choose(op: str, nbytes: int, sit: Situation, overrides: str = "",
            slot_bytes: int | None = None) -> Decision:
