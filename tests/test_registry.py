@@ -18,7 +18,7 @@ NBYTES = (0, 1, 7, 1000, 3 << 20)
 WORLDS = range(1, 10)
 
 EXPECTED = {
-    "allreduce": ("direct", "rd", "ring", "hier"),
+    "allreduce": ("direct", "slices", "rd", "ring", "hier"),
     "broadcast": ("direct", "tree", "chain", "hier"),
     "reduce": ("direct", "tree"),
     "allgather": ("direct", "bruck", "ring", "hier"),
@@ -122,7 +122,10 @@ def test_names_and_feasibility() -> None:
     direct = registry.get("allreduce", "direct")
     assert direct.kind == registry.HOST and direct.plan is None
     assert direct.feasible("allreduce", 1024, one_host)
-    assert not direct.feasible("allreduce", 1025, one_host)
+    assert direct.feasible("allreduce", 1 << 30, one_host)  # in pieces of a slot
+    slices = registry.get("allreduce", "slices")
+    assert slices.kind == registry.HOST and slices.feasible("allreduce", 1 << 20, one_host)
+    assert not slices.feasible("allreduce", 8, registry.Fit(4, False, 2, 2, 1024))
     assert not direct.feasible("allreduce", 8, registry.Fit(1, True, slot_size=1024))
     assert not direct.feasible("allreduce", 8, registry.Fit(4, False, 2, 2, 1024))
     assert direct.feasible("alltoall", 8, one_host)
@@ -166,7 +169,7 @@ def test_unknown_algorithm_rejected_with_the_registry_list() -> None:
             selector.parse(f"{op}:nope")
         assert str(exc.value) == want
     sit = selector.Situation(2, True, False, 1 << 16)
-    with pytest.raises(ValueError, match=r"choose from direct, rd, ring, hier"):
+    with pytest.raises(ValueError, match=r"choose from direct, slices, rd, ring, hier"):
         selector.choose("allreduce", 8, sit, "allreduce:0-1K:ring,nope")
     with pytest.raises(ValueError) as exc:
         selector.parse("allfoo:ring")

@@ -188,7 +188,7 @@ class Communicator:
         self._seq = Sequencer(rank, self.timeout, self._rec, health, fabric.mark_done)
         self._plans = Plans(rank, size, g.ring)
         self._fast = FastPath.make(self._seq, fabric.host, self._calls, size,
-                                    lambda n: self._choose("allreduce", n, n).name == "direct")
+                                    lambda n: self._choose("allreduce", n, n).name)
         self._situation = replace(
             selector.situation(size, g.all_local and size > 1, bool(g.remote),
                                self._cfg.shm_slot_size, g.topology, self._cfg.transport != "tcp"),

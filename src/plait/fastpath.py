@@ -27,17 +27,18 @@ from .transport import engine
 from .transport.base import OpCtx
 
 _ALLREDUCE = engine.OPS["allreduce"]
+_ENGINE_ALGOS = ("direct", "slices")
 
 
 class FastPath:
     def __init__(self, seq: Sequencer, host: engine.EngineHost, calls: Calls, size: int,
-                 direct: Callable[[int], bool]) -> None:
+                 choose: Callable[[int], str]) -> None:
         self._seq = seq
         self._host = host
         self._calls = calls
         self._size = size
-        self._direct = direct  # whether selection picks the engine for this many bytes
-        self._sizes: dict[int, bool] = {}
+        self._choose = choose  # the algorithm selection picks for this many bytes
+        self._sizes: dict[int, str] = {}
         # (numpy dtype, op as passed) -> (dtype code, op code, plait dtype, divide after)
         self._ops: dict[tuple[Any, Any], tuple[int, int, DType, bool]] = {}
         self._tensor: type | None = None
@@ -45,11 +46,11 @@ class FastPath:
 
     @classmethod
     def make(cls, seq: Sequencer, host: object, calls: Calls, size: int,
-             direct: Callable[[int], bool]) -> FastPath | None:
+             choose: Callable[[int], str]) -> FastPath | None:
         """The fast path where the host collective is the engine, else None."""
         if not isinstance(host, engine.EngineHost):
             return None
-        return cls(seq, host, calls, size, direct)
+        return cls(seq, host, calls, size, choose)
 
     def allreduce(self, buf: Any, op: Any) -> bool:
         """Run ``allreduce(buf, op)`` and return True, or return False having done
@@ -76,24 +77,25 @@ class FastPath:
             ent = self._learn(buf, op)
             if ent is None:
                 return False
-        ok = self._sizes.get(nbytes)
-        if ok is None:
-            ok = self._sizes[nbytes] = self._direct(nbytes)
+        algo = self._sizes.get(nbytes)
+        if algo is None:
+            algo = self._sizes[nbytes] = self._choose(nbytes)
             if len(self._sizes) > 4096:
                 self._sizes.clear()
-        if not ok:
+        if algo not in _ENGINE_ALGOS:
             return False
         dt, code, dtype, avg = ent
         run = self._host.run_codes
+        slices = algo == "slices"
         if at is buf:
             def fn(ctx: OpCtx) -> None:
-                run(_ALLREDUCE, dt, code, 0, None, buf, (), ctx)
+                run(_ALLREDUCE, dt, code, 0, None, buf, (), ctx, -1, slices)
         else:
             # a tensor exports no buffer: its address, kept valid by ``buf`` in this frame
             def fn(ctx: OpCtx) -> None:
-                run(_ALLREDUCE, dt, code, 0, None, at, (), ctx, nbytes)
+                run(_ALLREDUCE, dt, code, 0, None, at, (), ctx, nbytes, slices)
 
-        if not self._seq.run_inline("allreduce", fn, nbytes, dtype, "direct"):
+        if not self._seq.run_inline("allreduce", fn, nbytes, dtype, algo):
             return False
         if avg:
             if at is buf:

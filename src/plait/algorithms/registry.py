@@ -179,10 +179,15 @@ def _always(op: str, slot_bytes: int, fit: Fit) -> bool:
 
 
 def _direct(op: str, slot_bytes: int, fit: Fit) -> bool:
-    # Each rank's whole contribution must fit its slot. alltoallv's blocks differ per
-    # pair and reduce_scatterv's per rank: the slot exchange has no variant for them.
+    # Every rank on one host; data larger than a slot moves in pieces. alltoallv's blocks
+    # differ per pair and reduce_scatterv's per rank: the slot exchange has no variant
+    # for them.
     return (op not in ("alltoallv", "reduce_scatterv") and fit.all_local and fit.size > 1
-            and slot_bytes <= fit.slot_size)
+            and fit.slot_size > 0)
+
+
+def _slices(op: str, slot_bytes: int, fit: Fit) -> bool:
+    return op == "allreduce" and fit.all_local and fit.size > 1 and fit.slot_size > 0
 
 
 def _hier(op: str, slot_bytes: int, fit: Fit) -> bool:
@@ -209,8 +214,12 @@ def _schedule(name: str, ops: tuple[str, ...], summary: str, mod: _ScheduleModul
 
 register(Algorithm(
     "direct", OPS, HOST,
-    "shared-memory slots: one write, one wait, direct reads; every rank on one host, data "
-    "within the slot (not alltoallv, reduce_scatterv)", _direct))
+    "shared-memory slots: one write, one wait, direct reads, in pieces of a slot; every "
+    "rank on one host (not alltoallv, reduce_scatterv)", _direct))
+register(Algorithm(
+    "slices", ("allreduce",), HOST,
+    "shared-memory slots, per piece: each rank reduces 1/n of it in place, then every "
+    "rank copies all n slices; every rank on one host", _slices))
 _schedule("rd", ("allreduce",), "recursive doubling, any size; small messages", allreduce_rd)
 _schedule("ring", ("allreduce",), "reduce-scatter ring + allgather ring, in topology order",
           allreduce_ring)

@@ -60,25 +60,24 @@ class EngineHost:
         self.check = policy.check
 
     def supports(self, op: str, algo: str) -> bool:
-        return algo == "direct" and op in OPS
+        return op in OPS and (algo == "direct" or (algo == "slices" and op == "allreduce"))
 
     def start(self, algo: str, call: HostCall, ctx: OpCtx) -> Request:
-        self.run(call, ctx)
-        return _DONE
-
-    def run(self, call: HostCall, ctx: OpCtx) -> None:
         dt = call.dtype
         rop = call.rop
         self.run_codes(OPS[call.op], DTYPES[dt.name] if dt is not None else DTYPES["uint8"],
                        REDUCE_OPS[rop] if rop is not None else 0, call.root, call.send,
-                       call.recv, tuple(call.counts), ctx)
+                       call.recv, tuple(call.counts), ctx, slices=algo == "slices")
+        return _DONE
 
     def run_codes(self, op: int, dtype: int, rop: int, root: int, send: Any, recv: Any,
-                  counts: tuple[int, ...], ctx: OpCtx, nbytes: int = -1) -> None:
+                  counts: tuple[int, ...], ctx: OpCtx, nbytes: int = -1,
+                  slices: bool = False) -> None:
         """One operation by its codes (OPS, DTYPES, REDUCE_OPS); buffers as the board
         takes them (any C-contiguous buffer; None where this rank has none; with
-        ``nbytes``, ``recv`` is the address of that many bytes)."""
-        if self.board.run(op, dtype, rop, root, send, recv, counts, nbytes):
+        ``nbytes`` >= 0, ``recv`` is the address of that many bytes); ``slices``: the
+        slices algorithm (allreduce)."""
+        if self.board.run(op, dtype, rop, root, send, recv, counts, nbytes, slices):
             self._slow(ctx)
 
     def _slow(self, ctx: OpCtx) -> None:

@@ -44,16 +44,18 @@ log = logging.getLogger("plait.select")
 ALGORITHMS: dict[str, tuple[str, ...]] = {op: registry.names(op) for op in registry.OPS}
 """Operation (selection key) -> its algorithms' names, from the registry."""
 
-# The defaults, in the same grammar. "direct" is first wherever it applies.
+# The defaults, in the same grammar. "direct" (the compiled engine, through the slots)
+# first wherever every rank is on one host, up to the size where the schedules' single
+# copies (process_vm_readv) overtake its two copies (measured: docs/PERFORMANCE.md).
 DEFAULTS = (
-    "allreduce:direct,hier,0-64K:rd,ring;"
-    "broadcast:direct,hier,0-256K:tree,chain;"
-    "reduce:direct,tree;"
-    "allgather:direct,hier,0-64K:bruck,ring;"
-    "reduce_scatter:direct,hier,ring;"
-    "alltoall:direct,hier,pairwise;"
-    "gather:direct,linear;"
-    "scatter:direct,linear;"
+    "allreduce:0-4M:direct,hier,0-64K:rd,ring;"
+    "broadcast:0-1M:direct,hier,0-256K:tree,chain;"
+    "reduce:0-4M:direct,tree;"
+    "allgather:0-1M:direct,hier,0-64K:bruck,ring;"
+    "reduce_scatter:0-4M:direct,hier,ring;"
+    "alltoall:0-1M:direct,hier,pairwise;"
+    "gather:0-1M:direct,linear;"
+    "scatter:0-1M:direct,linear;"
     "barrier:direct,dissemination"
 )
 

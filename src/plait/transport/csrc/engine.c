@@ -46,6 +46,7 @@
 #define W_ARRIVE 2
 #define W_DONE 3
 #define W_ABORT 7
+#define W_REDUCED 11
 
 /* operation codes: must match plait/transport/engine.py */
 enum { OP_ALLREDUCE, OP_REDUCE, OP_BROADCAST, OP_ALLGATHERV, OP_GATHER, OP_SCATTER,
@@ -54,6 +55,10 @@ enum { OP_ALLREDUCE, OP_REDUCE, OP_BROADCAST, OP_ALLGATHERV, OP_GATHER, OP_SCATT
 /* Above this many bytes a copy or a reduction releases the GIL: below it, releasing and
  * re-taking the GIL costs more than other threads gain. */
 #define GIL_FREE_BYTES (64u << 10)
+
+/* An operation moving at least this many bytes per rank runs without the GIL from its
+ * first piece to its last (or to a wait that outlasts the spin). */
+#define GIL_OP_BYTES (256u << 10)
 
 /* Spin this long holding the GIL before releasing it for the rest of the spin: a peer
  * that is already on its way arrives within it, and the call then returns without
@@ -88,15 +93,20 @@ typedef struct {
     size_t slot_size;
     uint64_t spin_ns;
     int yield_cpu;      /* more ranks than cores: yield the core while spinning */
-    int64_t seq;        /* sequence number of the last operation begun */
+    const void **rows;  /* n row pointers for reductions (no allocation mid-operation) */
+    int64_t seq;        /* sequence number of the last piece begun */
     /* the operation in progress */
-    int stage;          /* 0 none, 1 waiting for slots to be free, 2 waiting for arrivals */
+    int stage;          /* 0 none; waiting for: 1 free slots, 2 arrivals, 3 reduced slices */
     int code, dtype, rop, root;
     int needs;          /* -1: every rank, -2: none, else that one rank */
+    int slices;         /* allreduce by slices: reduce-scatter then allgather per piece */
+    int gil;            /* the GIL is held while the operation advances */
     Py_buffer send, recv;
     int has_send, has_recv;
     Py_ssize_t *counts; /* allgatherv: elements from each rank */
     size_t isz;
+    size_t step;        /* bytes of each rank's block that one piece moves */
+    int64_t piece, npieces;
 } Board;
 
 static inline _Atomic int64_t *word(Board *b, int rank, int w)
@@ -133,25 +143,28 @@ static void ring(Board *b, int rank, int always)
     }
 }
 
+/* whether rank k holds up the pending wait */
+static int late(Board *b, int k)
+{
+    switch (b->stage) {
+    case 1:
+        return atomic_load(word(b, k, W_DONE)) < b->seq - 2;
+    case 2:
+        return (b->needs == -1 || b->needs == k) && atomic_load(word(b, k, W_ARRIVE)) < b->seq;
+    case 3:
+        return atomic_load(word(b, k, W_REDUCED)) < b->seq;
+    default:
+        return 0;
+    }
+}
+
 static int ready(Board *b)
 {
-    if (b->stage == 1) {
-        int64_t want = b->seq - 2;
-        for (int k = 0; k < b->n; k++)
-            if (atomic_load(word(b, k, W_DONE)) < want)
-                return 0;
-        return 1;
-    }
-    if (b->stage == 2) {
-        if (b->needs == -2)
-            return 1;
-        if (b->needs >= 0)
-            return atomic_load(word(b, b->needs, W_ARRIVE)) >= b->seq;
-        for (int k = 0; k < b->n; k++)
-            if (atomic_load(word(b, k, W_ARRIVE)) < b->seq)
-                return 0;
-        return 1;
-    }
+    if (b->stage == 2 && b->needs != -1)
+        return b->needs == -2 || !late(b, b->needs);
+    for (int k = 0; k < b->n; k++)
+        if (late(b, k))
+            return 0;
     return 1;
 }
 
@@ -185,6 +198,8 @@ static int spin(Board *b)
     if (ready(b))
         return 1;
     uint64_t t0 = now_ns();
+    if (!b->gil)
+        return spin_loop(b, t0, b->spin_ns);
     uint64_t held = b->spin_ns < HELD_SPIN_NS ? b->spin_ns : HELD_SPIN_NS;
     if (spin_loop(b, t0, held))
         return 1;
@@ -197,11 +212,11 @@ static int spin(Board *b)
     return ok;
 }
 
-/* -- what each operation writes and reads ---------------------------------------------- */
+/* -- what each piece writes and reads --------------------------------------------------- */
 
-static void copy(void *dst, const void *src, size_t n)
+static void copy(Board *b, void *dst, const void *src, size_t n)
 {
-    if (n >= GIL_FREE_BYTES) {
+    if (n >= GIL_FREE_BYTES && b->gil) {
         Py_BEGIN_ALLOW_THREADS
         memcpy(dst, src, n);
         Py_END_ALLOW_THREADS
@@ -210,110 +225,179 @@ static void copy(void *dst, const void *src, size_t n)
     }
 }
 
-static void reduce_slots(Board *b, void *out, size_t byte_off, size_t count)
+/* out = fold of b->rows[0..n) over count elements */
+static void fold(Board *b, void *out, size_t count)
 {
-    const void *rows[256];
-    const void **r = b->n <= 256 ? rows : PyMem_Malloc(sizeof(void *) * (size_t)b->n);
-    if (r == NULL) {
-        PyErr_NoMemory(); /* the caller checks PyErr_Occurred */
-        return;
-    }
-    for (int k = 0; k < b->n; k++)
-        r[k] = slot(b, b->seq, k) + byte_off;
-    if (count * b->isz >= GIL_FREE_BYTES) {
+    if (count * b->isz >= GIL_FREE_BYTES && b->gil) {
         Py_BEGIN_ALLOW_THREADS
-        pl_reduce_rows(b->dtype, b->rop, out, r, b->n, count);
+        pl_reduce_rows(b->dtype, b->rop, out, b->rows, b->n, count);
         Py_END_ALLOW_THREADS
     } else {
-        pl_reduce_rows(b->dtype, b->rop, out, r, b->n, count);
+        pl_reduce_rows(b->dtype, b->rop, out, b->rows, b->n, count);
     }
-    if (r != rows)
-        PyMem_Free(r);
 }
 
-/* step 2 before publishing: this rank's contribution into its slot */
+/* every rank's slot of this piece from byte ``off``, folded in rank order into out */
+static void reduce_slots(Board *b, void *out, size_t off, size_t count)
+{
+    for (int k = 0; k < b->n; k++)
+        b->rows[k] = slot(b, b->seq, k) + off;
+    fold(b, out, count);
+}
+
+/* The part [*off, *off + return) of a block of ``total`` bytes that this piece moves. */
+static size_t span(Board *b, size_t total, size_t *off)
+{
+    size_t o = (size_t)b->piece * b->step;
+    if (o >= total) {
+        *off = total;
+        return 0;
+    }
+    *off = o;
+    return total - o < b->step ? total - o : b->step;
+}
+
+/* slice k of a piece of m elements: [start, start + return) */
+static size_t slice(size_t m, int n, int k, size_t *start)
+{
+    size_t base = m / (size_t)n, rem = m % (size_t)n, kk = (size_t)k;
+    *start = kk * base + (kk < rem ? kk : rem);
+    return base + (kk < rem);
+}
+
+/* n sub-blocks (one per rank, of ``c``-byte blocks) of this piece into dst, packed */
+static void pack(Board *b, char *dst, const char *src, size_t c)
+{
+    size_t off, l = span(b, c, &off);
+    for (int k = 0; k < b->n; k++)
+        copy(b, dst + (size_t)k * l, src + (size_t)k * c + off, l);
+}
+
+/* before publishing: this rank's contribution to the piece into its slot */
 static void write_own(Board *b)
 {
     char *mine = slot(b, b->seq, b->me);
+    size_t off, l;
     switch (b->code) {
     case OP_ALLREDUCE:
     case OP_REDUCE:
-        copy(mine, b->recv.buf, (size_t)b->recv.len);
+        l = span(b, (size_t)b->recv.len, &off);
+        copy(b, mine, (char *)b->recv.buf + off, l);
         break;
     case OP_BROADCAST:
-        if (b->me == b->root)
-            copy(mine, b->recv.buf, (size_t)b->recv.len);
-        break;
-    case OP_SCATTER:
         if (b->me == b->root) {
-            size_t c = (size_t)b->recv.len;
-            copy(mine, b->send.buf, (size_t)b->send.len);
-            copy(b->recv.buf, (char *)b->send.buf + (size_t)b->me * c, c);
+            l = span(b, (size_t)b->recv.len, &off);
+            copy(b, mine, (char *)b->recv.buf + off, l);
         }
         break;
     case OP_ALLGATHERV:
     case OP_GATHER:
+        l = span(b, (size_t)b->send.len, &off);
+        copy(b, mine, (char *)b->send.buf + off, l);
+        break;
+    case OP_SCATTER:
+        if (b->me == b->root) {
+            size_t c = (size_t)b->recv.len;
+            pack(b, mine, b->send.buf, c);
+            l = span(b, c, &off);
+            copy(b, (char *)b->recv.buf + off, (char *)b->send.buf + (size_t)b->me * c + off, l);
+        }
+        break;
     case OP_REDUCE_SCATTER:
+        pack(b, mine, b->send.buf, (size_t)b->recv.len);
+        break;
     case OP_ALLTOALL:
-        copy(mine, b->send.buf, (size_t)b->send.len);
+        pack(b, mine, b->send.buf, (size_t)b->recv.len / (size_t)b->n);
         break;
     default:
         break;
     }
 }
 
-/* step 4 once the needed ranks have arrived: read their slots */
+/* once the needed ranks have arrived: read their slots for this piece */
 static void read_peers(Board *b)
 {
     char *out = b->has_recv ? b->recv.buf : NULL;
     int64_t s = b->seq;
+    size_t off, l;
     switch (b->code) {
     case OP_ALLREDUCE:
-        reduce_slots(b, out, 0, (size_t)b->recv.len / b->isz);
-        break;
     case OP_REDUCE:
-        if (b->me == b->root)
-            reduce_slots(b, out, 0, (size_t)b->recv.len / b->isz);
+        if (b->code == OP_ALLREDUCE || b->me == b->root) {
+            l = span(b, (size_t)b->recv.len, &off);
+            reduce_slots(b, out + off, 0, l / b->isz);
+        }
         break;
     case OP_BROADCAST:
-        if (b->me != b->root)
-            copy(out, slot(b, s, b->root), (size_t)b->recv.len);
+        if (b->me != b->root) {
+            l = span(b, (size_t)b->recv.len, &off);
+            copy(b, out + off, slot(b, s, b->root), l);
+        }
         break;
     case OP_SCATTER:
         if (b->me != b->root) {
-            size_t c = (size_t)b->recv.len;
-            copy(out, slot(b, s, b->root) + (size_t)b->me * c, c);
+            l = span(b, (size_t)b->recv.len, &off);
+            copy(b, out + off, slot(b, s, b->root) + (size_t)b->me * l, l);
         }
         break;
     case OP_ALLGATHERV: {
-        size_t off = 0;
+        size_t disp = 0;
         for (int k = 0; k < b->n; k++) {
             size_t c = (size_t)b->counts[k] * b->isz;
-            copy(out + off, slot(b, s, k), c);
-            off += c;
+            l = span(b, c, &off);
+            copy(b, out + disp + off, slot(b, s, k), l);
+            disp += c;
         }
         break;
     }
     case OP_GATHER:
         if (b->me == b->root) {
             size_t c = (size_t)b->send.len;
+            l = span(b, c, &off);
             for (int k = 0; k < b->n; k++)
-                copy(out + (size_t)k * c, slot(b, s, k), c);
+                copy(b, out + (size_t)k * c + off, slot(b, s, k), l);
         }
         break;
-    case OP_REDUCE_SCATTER: {
-        size_t count = (size_t)b->recv.len / b->isz;
-        reduce_slots(b, out, (size_t)b->me * count * b->isz, count);
+    case OP_REDUCE_SCATTER:
+        l = span(b, (size_t)b->recv.len, &off);
+        reduce_slots(b, out + off, (size_t)b->me * l, l / b->isz);
         break;
-    }
     case OP_ALLTOALL: {
         size_t c = (size_t)b->recv.len / (size_t)b->n;
+        l = span(b, c, &off);
         for (int k = 0; k < b->n; k++)
-            copy(out + (size_t)k * c, slot(b, s, k) + (size_t)b->me * c, c);
+            copy(b, out + (size_t)k * c + off, slot(b, s, k) + (size_t)b->me * l, l);
         break;
     }
     default:
         break;
+    }
+}
+
+/* allreduce by slices, once every rank's piece is in: this rank's slice of the piece,
+ * reduced in place in its own slot (no one else reads that part of it). Rows are this
+ * rank's first, then the others in rank order: each slice is reduced by one rank only,
+ * so every rank still gets the same bits. */
+static void reduce_my_slice(Board *b)
+{
+    size_t off, m = span(b, (size_t)b->recv.len, &off) / b->isz, start;
+    size_t len = slice(m, b->n, b->me, &start);
+    size_t at = start * b->isz;
+    b->rows[0] = slot(b, b->seq, b->me) + at;
+    for (int k = 0, r = 1; k < b->n; k++)
+        if (k != b->me)
+            b->rows[r++] = slot(b, b->seq, k) + at;
+    fold(b, (void *)b->rows[0], len);
+}
+
+/* allreduce by slices, once every slice is reduced: all of them into the result */
+static void gather_slices(Board *b)
+{
+    size_t off, m = span(b, (size_t)b->recv.len, &off) / b->isz, start;
+    char *out = (char *)b->recv.buf + off;
+    for (int k = 0; k < b->n; k++) {
+        size_t len = slice(m, b->n, k, &start);
+        copy(b, out + start * b->isz, slot(b, b->seq, k) + start * b->isz, len * b->isz);
     }
 }
 
@@ -329,8 +413,8 @@ static void release_op(Board *b)
     b->stage = 0;
 }
 
-/* Store this rank's word (arrive or done) and ring its peers: every peer after an
- * arrival (a waiter may be spinning on it), only sleeping ones after done. */
+/* Store this rank's word and ring its peers: every peer after an arrival or a reduced
+ * slice (a waiter may be spinning on it), only sleeping ones after done. */
 static void announce(Board *b, int w, int always)
 {
     atomic_store(word(b, b->me, w), b->seq);
@@ -339,24 +423,62 @@ static void announce(Board *b, int w, int always)
             ring(b, k, always);
 }
 
-/* Run the operation in progress as far as it goes: 0 complete, 1 a wait is pending. */
+/* Run the operation in progress as far as it goes: 0 complete, 1 a wait is pending.
+ * Each piece has its own sequence number and uses bank seq & 1. */
 static int advance(Board *b)
 {
-    if (b->stage == 1) {
-        if (!spin(b))
-            return 1;
-        write_own(b);
-        announce(b, W_ARRIVE, 1);
-        b->stage = 2;
-    }
-    if (b->stage == 2) {
-        if (!spin(b))
-            return 1;
-        read_peers(b);
+    for (;;) {
+        if (b->stage == 1) {
+            if (!spin(b))
+                return 1;
+            write_own(b);
+            announce(b, W_ARRIVE, 1);
+            b->stage = 2;
+        }
+        if (b->stage == 2) {
+            if (!spin(b))
+                return 1;
+            if (b->slices) {
+                reduce_my_slice(b);
+                announce(b, W_REDUCED, 1);
+                b->stage = 3;
+            } else {
+                read_peers(b);
+            }
+        }
+        if (b->stage == 3) {
+            if (!spin(b))
+                return 1;
+            gather_slices(b);
+        }
         announce(b, W_DONE, 0);
-        release_op(b);
+        if (++b->piece >= b->npieces)
+            return 0;
+        b->seq += 1;
+        b->stage = 1;
     }
-    return 0;
+}
+
+/* advance, without the GIL for the whole operation when it is large (its copies and
+ * reductions then run while other Python threads go on); never touches Python objects */
+static int run_advance(Board *b)
+{
+    if (b->gil)
+        return advance(b);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = advance(b);
+    Py_END_ALLOW_THREADS
+    return rc;
+}
+
+/* run_advance, then (with the GIL) let go of a finished operation's buffers */
+static int step_op(Board *b)
+{
+    int rc = run_advance(b);
+    if (rc == 0 || PyErr_Occurred())
+        release_op(b);
+    return rc;
 }
 
 /* -- the Python type ------------------------------------------------------------------ */
@@ -400,12 +522,21 @@ static int Board_init(Board *b, PyObject *args, PyObject *kw)
     b->yield_cpu = yield_cpu;
     b->seq = 0;
     b->stage = 0;
+    b->rows = PyMem_Calloc((size_t)n, sizeof(void *));
+    if (b->rows == NULL) {
+        PyBuffer_Release(&b->seg);
+        b->held = 0;
+        PyErr_NoMemory();
+        return -1;
+    }
     return 0;
 }
 
 static void Board_dealloc(Board *b)
 {
     release_op(b);
+    PyMem_Free(b->rows);
+    b->rows = NULL;
     if (b->held)
         PyBuffer_Release(&b->seg);
     b->held = 0;
@@ -423,27 +554,21 @@ static int get_buf(PyObject *o, Py_buffer *view, int writable, const char *what)
     return 0;
 }
 
-static int too_big(Board *b, size_t bytes, const char *what)
-{
-    if (bytes <= b->slot_size)
-        return 0;
-    PyErr_Format(PyExc_ValueError, "engine: %s of %zu bytes does not fit a slot of %zu",
-                 what, bytes, b->slot_size);
-    return 1;
-}
-
-/* run(code, dtype, op, root, send, recv, counts[, nbytes]) -> 0 done, 1 pending
+/* run(code, dtype, op, root, send, recv, counts[, nbytes[, slices]]) -> 0 done, 1 pending
  *
- * With nbytes, recv is the address of that many bytes instead of a buffer object (a
+ * With nbytes >= 0, recv is the address of that many bytes instead of a buffer object (a
  * torch tensor's data_ptr(): torch tensors do not export buffers); the caller keeps the
- * memory alive until the operation completes or is abandoned. */
+ * memory alive until the operation completes or is abandoned. ``slices``: allreduce by
+ * reduce-scatter + allgather through the slots (each rank reduces 1/n of every piece)
+ * instead of every rank reducing every piece. Data larger than a slot moves in pieces. */
 static PyObject *Board_run(Board *b, PyObject *args)
 {
     int code, dtype, rop, root;
     PyObject *send, *recv, *counts;
     Py_ssize_t at_bytes = -1;
-    if (!PyArg_ParseTuple(args, "iiiiOOO|n", &code, &dtype, &rop, &root, &send, &recv,
-                          &counts, &at_bytes))
+    int slices = 0;
+    if (!PyArg_ParseTuple(args, "iiiiOOO|np", &code, &dtype, &rop, &root, &send, &recv,
+                          &counts, &at_bytes, &slices))
         return NULL;
     if (!b->held) {
         PyErr_SetString(PyExc_RuntimeError, "engine: the board is closed");
@@ -494,6 +619,8 @@ static PyObject *Board_run(Board *b, PyObject *args)
         b->has_recv = 1;
     }
     size_t n = (size_t)b->n;
+    size_t block = 0;  /* the largest block of one rank that pieces cut up */
+    int packed = 0;    /* each piece packs n sub-blocks into a slot */
     switch (code) {
     case OP_ALLREDUCE:
     case OP_REDUCE:
@@ -502,8 +629,7 @@ static PyObject *Board_run(Board *b, PyObject *args)
             PyErr_SetString(PyExc_TypeError, "engine: the operation needs its buffer");
             goto fail;
         }
-        if (too_big(b, (size_t)b->recv.len, "the buffer"))
-            goto fail;
+        block = (size_t)b->recv.len;
         break;
     case OP_ALLGATHERV: {
         if (!b->has_send || !b->has_recv)
@@ -520,6 +646,8 @@ static PyObject *Board_run(Board *b, PyObject *args)
         size_t total = 0;
         for (size_t k = 0; k < n; k++) {
             Py_ssize_t c = PyLong_AsSsize_t(PyTuple_GET_ITEM(counts, k));
+            if ((size_t)c * b->isz > block)
+                block = (size_t)c * b->isz;
             if (c < 0) {
                 if (!PyErr_Occurred())
                     PyErr_SetString(PyExc_ValueError, "engine: negative count");
@@ -527,8 +655,6 @@ static PyObject *Board_run(Board *b, PyObject *args)
             }
             b->counts[k] = c;
             total += (size_t)c * b->isz;
-            if (too_big(b, (size_t)c * b->isz, "a rank's block"))
-                goto fail;
         }
         if ((size_t)b->send.len != (size_t)b->counts[b->me] * b->isz ||
             (size_t)b->recv.len < total) {
@@ -540,29 +666,26 @@ static PyObject *Board_run(Board *b, PyObject *args)
     case OP_GATHER:
         if (!b->has_send || (is_root && !b->has_recv))
             goto need_both;
-        if (too_big(b, (size_t)b->send.len, "the send buffer"))
-            goto fail;
         if (is_root && (size_t)b->recv.len < n * (size_t)b->send.len) {
             PyErr_SetString(PyExc_ValueError, "engine: gather's receive buffer is too small");
             goto fail;
         }
+        block = (size_t)b->send.len;
         break;
     case OP_SCATTER:
         if (!b->has_recv || (is_root && !b->has_send))
             goto need_both;
-        if (too_big(b, n * (size_t)b->recv.len, "the scattered buffer"))
-            goto fail;
         if (is_root && (size_t)b->send.len < n * (size_t)b->recv.len) {
             PyErr_SetString(PyExc_ValueError, "engine: scatter's send buffer is too small");
             goto fail;
         }
+        block = (size_t)b->recv.len;
+        packed = 1;
         break;
     case OP_REDUCE_SCATTER:
     case OP_ALLTOALL:
         if (!b->has_send || !b->has_recv)
             goto need_both;
-        if (too_big(b, (size_t)b->send.len, "the send buffer"))
-            goto fail;
         /* reduce_scatter: n blocks in, one out; alltoall: n blocks each way */
         if ((code == OP_REDUCE_SCATTER ? (size_t)b->send.len != n * (size_t)b->recv.len
                                        : (b->send.len != b->recv.len || b->recv.len % b->n)) ||
@@ -571,6 +694,8 @@ static PyObject *Board_run(Board *b, PyObject *args)
                             "engine: send and receive buffers disagree in size");
             goto fail;
         }
+        block = code == OP_ALLTOALL ? (size_t)b->recv.len / n : (size_t)b->recv.len;
+        packed = 1;
         break;
     default:
         break;
@@ -583,13 +708,22 @@ static PyObject *Board_run(Board *b, PyObject *args)
         b->needs = is_root ? -2 : root;
     else
         b->needs = -1;
+    /* pieces: whole elements, and n of them fit one slot where they are packed */
+    b->step = (packed ? b->slot_size / n : b->slot_size) / b->isz * b->isz;
+    if (b->step == 0) {
+        PyErr_SetString(PyExc_ValueError, "engine: the slot is too small for this operation");
+        goto fail;
+    }
+    b->slices = slices && code == OP_ALLREDUCE && b->n > 1;
+    b->piece = 0;
+    b->npieces = block ? (int64_t)((block + b->step - 1) / b->step) : 1;
+    /* hold the GIL only for small operations: a large one's copies run without it */
+    b->gil = block * (packed ? n : 1) < GIL_OP_BYTES;
     b->seq += 1;
     b->stage = 1;
-    int rc = advance(b);
-    if (PyErr_Occurred()) {
-        release_op(b);
+    int rc = step_op(b);
+    if (PyErr_Occurred())
         return NULL;
-    }
     return PyLong_FromLong(rc);
 need_both:
     PyErr_SetString(PyExc_TypeError, "engine: the operation is missing a buffer");
@@ -602,11 +736,9 @@ static PyObject *Board_resume(Board *b, PyObject *Py_UNUSED(ignored))
 {
     if (b->stage == 0)
         return PyLong_FromLong(0);
-    int rc = advance(b);
-    if (PyErr_Occurred()) {
-        release_op(b);
+    int rc = step_op(b);
+    if (PyErr_Occurred())
         return NULL;
-    }
     return PyLong_FromLong(rc);
 }
 
@@ -634,20 +766,15 @@ static PyObject *Board_sleep(Board *b, PyObject *arg)
 }
 
 /* waiting() -> (stage, ranks): what the pending wait still waits for
- * (stage 1: ranks that have not finished the operation before last; 2: ranks that
- * have not arrived) */
+ * (stage 1: ranks that have not finished the piece before last; 2: ranks that have not
+ * arrived; 3: ranks that have not reduced their slice) */
 static PyObject *Board_waiting(Board *b, PyObject *Py_UNUSED(ignored))
 {
     PyObject *ranks = PyList_New(0);
     if (ranks == NULL)
         return NULL;
     for (int k = 0; k < b->n; k++) {
-        int late = 0;
-        if (b->stage == 1)
-            late = atomic_load(word(b, k, W_DONE)) < b->seq - 2;
-        else if (b->stage == 2 && (b->needs == -1 || b->needs == k))
-            late = atomic_load(word(b, k, W_ARRIVE)) < b->seq;
-        if (late) {
+        if (late(b, k)) {
             PyObject *r = PyLong_FromLong(k);
             if (r == NULL || PyList_Append(ranks, r) < 0) {
                 Py_XDECREF(r);
