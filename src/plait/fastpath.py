@@ -85,15 +85,15 @@ class FastPath:
         if algo not in _ENGINE_ALGOS:
             return False
         dt, code, dtype, avg = ent
-        run = self._host.run_codes
+        host = self._host
+        run = host.board.run
         slices = algo == "slices"
-        if at is buf:
-            def fn(ctx: OpCtx) -> None:
-                run(_ALLREDUCE, dt, code, 0, None, buf, (), ctx, -1, slices)
-        else:
-            # a tensor exports no buffer: its address, kept valid by ``buf`` in this frame
-            def fn(ctx: OpCtx) -> None:
-                run(_ALLREDUCE, dt, code, 0, None, at, (), ctx, nbytes, slices)
+        # a tensor exports no buffer: its address, kept valid by ``buf`` in this frame
+        length = -1 if at is buf else nbytes
+
+        def fn(ctx: OpCtx) -> None:
+            if run(_ALLREDUCE, dt, code, 0, None, at, (), length, slices):
+                host.wait(ctx)
 
         if not self._seq.run_inline("allreduce", fn, nbytes, dtype, algo):
             return False

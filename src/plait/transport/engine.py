@@ -78,9 +78,11 @@ class EngineHost:
         ``nbytes`` >= 0, ``recv`` is the address of that many bytes); ``slices``: the
         slices algorithm (allreduce)."""
         if self.board.run(op, dtype, rop, root, send, recv, counts, nbytes, slices):
-            self._slow(ctx)
+            self.wait(ctx)
 
-    def _slow(self, ctx: OpCtx) -> None:
+    def wait(self, ctx: OpCtx) -> None:
+        """The slow path of an operation the board left pending (its run() returned 1):
+        health checks, the deadline, sleeps on the doorbell, resumes."""
         board = self.board
         try:
             while True:
