@@ -262,7 +262,7 @@ def _algo_params() -> list[Any]:
         for algo in algos:
             for world in (3, 5):
                 for transport in TRANSPORTS:
-                    if algo in ("direct", "slices") and transport == "tcp":
+                    if algo in ("direct", "slices", "inplace") and transport == "tcp":
                         continue  # the engine's algorithms need every rank on one host
                     if algo == "hier":
                         continue  # needs equal ranks on several hosts: tests/test_hier.py

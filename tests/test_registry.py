@@ -18,7 +18,7 @@ NBYTES = (0, 1, 7, 1000, 3 << 20)
 WORLDS = range(1, 10)
 
 EXPECTED = {
-    "allreduce": ("direct", "slices", "rd", "ring", "hier"),
+    "allreduce": ("direct", "slices", "inplace", "rd", "ring", "hier"),
     "broadcast": ("direct", "tree", "chain", "hier"),
     "reduce": ("direct", "tree"),
     "allgather": ("direct", "bruck", "ring", "hier"),
@@ -169,7 +169,7 @@ def test_unknown_algorithm_rejected_with_the_registry_list() -> None:
             selector.parse(f"{op}:nope")
         assert str(exc.value) == want
     sit = selector.Situation(2, True, False, 1 << 16)
-    with pytest.raises(ValueError, match=r"choose from direct, slices, rd, ring, hier"):
+    with pytest.raises(ValueError, match=r"choose from direct, slices, inplace, rd, ring, hier"):
         selector.choose("allreduce", 8, sit, "allreduce:0-1K:ring,nope")
     with pytest.raises(ValueError) as exc:
         selector.parse("allfoo:ring")

@@ -27,7 +27,6 @@ from .transport import engine
 from .transport.base import OpCtx
 
 _ALLREDUCE = engine.OPS["allreduce"]
-_ENGINE_ALGOS = ("direct", "slices")
 
 
 class FastPath:
@@ -82,17 +81,17 @@ class FastPath:
             algo = self._sizes[nbytes] = self._choose(nbytes)
             if len(self._sizes) > 4096:
                 self._sizes.clear()
-        if algo not in _ENGINE_ALGOS:
+        mode = engine.MODES.get(algo)
+        if mode is None:
             return False
         dt, code, dtype, avg = ent
         host = self._host
         run = host.board.run
-        slices = algo == "slices"
         # a tensor exports no buffer: its address, kept valid by ``buf`` in this frame
         length = -1 if at is buf else nbytes
 
         def fn(ctx: OpCtx) -> None:
-            if run(_ALLREDUCE, dt, code, 0, None, at, (), length, slices):
+            if run(_ALLREDUCE, dt, code, 0, None, at, (), length, mode):
                 host.wait(ctx)
 
         if not self._seq.run_inline("allreduce", fn, nbytes, dtype, algo):

@@ -29,6 +29,9 @@ REDUCE_OPS: dict[ReduceOp, int] = {
     ReduceOp.SUM: 0, ReduceOp.AVG: 0, ReduceOp.PROD: 1, ReduceOp.MIN: 2, ReduceOp.MAX: 3,
     ReduceOp.BAND: 4, ReduceOp.BOR: 5, ReduceOp.BXOR: 6}
 
+# how allreduce runs (engine.c MODE_*): by algorithm name
+MODES: dict[str, int] = {"direct": 0, "slices": 1, "inplace": 2}
+
 # longest sleep between health checks in a wait (as plait.executor's waits)
 MAX_SLEEP_S = 0.05
 
@@ -60,24 +63,24 @@ class EngineHost:
         self.check = policy.check
 
     def supports(self, op: str, algo: str) -> bool:
-        return op in OPS and (algo == "direct" or (algo == "slices" and op == "allreduce"))
+        return op in OPS and (algo == "direct" or (algo in MODES and op == "allreduce"))
 
     def start(self, algo: str, call: HostCall, ctx: OpCtx) -> Request:
         dt = call.dtype
         rop = call.rop
         self.run_codes(OPS[call.op], DTYPES[dt.name] if dt is not None else DTYPES["uint8"],
                        REDUCE_OPS[rop] if rop is not None else 0, call.root, call.send,
-                       call.recv, tuple(call.counts), ctx, slices=algo == "slices")
+                       call.recv, tuple(call.counts), ctx, mode=MODES[algo])
         return _DONE
 
     def run_codes(self, op: int, dtype: int, rop: int, root: int, send: Any, recv: Any,
                   counts: tuple[int, ...], ctx: OpCtx, nbytes: int = -1,
-                  slices: bool = False) -> None:
+                  mode: int = 0) -> None:
         """One operation by its codes (OPS, DTYPES, REDUCE_OPS); buffers as the board
         takes them (any C-contiguous buffer; None where this rank has none; with
-        ``nbytes`` >= 0, ``recv`` is the address of that many bytes); ``slices``: the
-        slices algorithm (allreduce)."""
-        if self.board.run(op, dtype, rop, root, send, recv, counts, nbytes, slices):
+        ``nbytes`` >= 0, ``recv`` is the address of that many bytes); ``mode``: how an
+        allreduce runs (MODES)."""
+        if self.board.run(op, dtype, rop, root, send, recv, counts, nbytes, mode):
             self.wait(ctx)
 
     def wait(self, ctx: OpCtx) -> None:

@@ -144,6 +144,13 @@ def direct_time(op: str, n: int, nbytes: int, model: Model) -> float:
     return 2 * model.shm.alpha + nbytes * model.shm.beta * (1 + (n - 1) / max(n, 1))
 
 
+def inplace_time(n: int, nbytes: int, model: Model) -> float:
+    """Allreduce in place: read (n-1)/n of the buffer from peers to reduce this rank's
+    slice, then read the (n-1)/n other slices (four synchronisations, one copy each)."""
+    n = max(n, 1)
+    return 4 * model.shm.alpha + nbytes * model.shm.beta * (2 * (n - 1) / n + 1 / n)
+
+
 def slices_time(n: int, nbytes: int, model: Model) -> float:
     """Allreduce by slices: write the piece, reduce 1/n of it from every slot, copy all n
     reduced slices (three synchronisations; about 3 S of memory traffic per rank, where
@@ -160,6 +167,8 @@ def flat_time(op: str, algo: str, nbytes: int, shape: Shape, model: Model,
     if kind == registry.HOST:
         if algo == "slices":
             return slices_time(shape.size, nbytes, model)
+        if algo == "inplace":
+            return inplace_time(shape.size, nbytes, model)
         return direct_time(op, shape.size, nbytes, model)
     sch = schedules(op, algo, shape.size, nbytes) if kind == registry.SCHEDULE else None
     if sch is None:  # unknown, or COMPOSITE: selector.estimate asks hier_time for those

@@ -248,7 +248,6 @@ def choose(op: str, nbytes: int, sit: Situation, overrides: str = "",
         if rules and source == "PLAIT_ALGO" and any(r.covers(nbytes) for r in rules):
             raise ValueError(
                 f"PLAIT_ALGO={overrides!r} selects no algorithm that can run {op} of {nbytes} "
-                f"bytes here (direct needs every rank on one host and at most "
-                f"{sit.slot_size} bytes per rank; hier needs two or more hosts with the same "
-                f"number, two or more, of ranks each)")
+                f"bytes here (direct, slices and inplace need every rank on one host; hier "
+                f"needs two or more hosts with the same number, two or more, of ranks each)")
     raise AssertionError(f"no default algorithm for {op}")

@@ -35,6 +35,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -44,11 +45,18 @@
 #define CTL_WORDS 64
 #define W_BELL 0
 #define W_ARRIVE 2
+#define W_PID 6
 #define W_DONE 3
 #define W_ABORT 7
 #define W_REDUCED 11
+#define W_ADDR 12    /* in-place allreduce: where this rank's buffer is, in its memory */
+#define W_CMA_OK 13  /* bit k: this rank reads local rank k's memory; bit 62: computed */
+#define W_NONCE 16
+#define W_NONCE_ADDR 17
 
 /* operation codes: must match plait/transport/engine.py */
+enum { MODE_DIRECT, MODE_SLICES, MODE_INPLACE };
+
 enum { OP_ALLREDUCE, OP_REDUCE, OP_BROADCAST, OP_ALLGATHERV, OP_GATHER, OP_SCATTER,
        OP_REDUCE_SCATTER, OP_ALLTOALL, OP_BARRIER, OP_COUNT };
 
@@ -59,6 +67,12 @@ enum { OP_ALLREDUCE, OP_REDUCE, OP_BROADCAST, OP_ALLGATHERV, OP_GATHER, OP_SCATT
 /* An operation moving at least this many bytes per rank runs without the GIL from its
  * first piece to its last (or to a wait that outlasts the spin). */
 #define GIL_OP_BYTES (256u << 10)
+
+/* In-place allreduce: peers' data is read in chunks of this many bytes per peer into a
+ * scratch buffer (n-1 chunks: all rows of a chunk are folded at once, so 16-bit floats are
+ * still rounded once) and reduced from there while it is in L2. */
+#define CMA_CHUNK (64u << 10)
+#define CMA_COMPUTED (1LL << 62)
 
 /* Spin this long holding the GIL before releasing it for the rest of the spin: a peer
  * that is already on its way arrives within it, and the call then returns without
@@ -96,10 +110,16 @@ typedef struct {
     const void **rows;  /* n row pointers for reductions (no allocation mid-operation) */
     int64_t seq;        /* sequence number of the last piece begun */
     /* the operation in progress */
-    int stage;          /* 0 none; waiting for: 1 free slots, 2 arrivals, 3 reduced slices */
+    int stage;          /* 0 none; waiting for: 1 free slots, 2 arrivals, 3 reduced slices,
+                           4 (in place) every peer done reading this rank's buffer */
     int code, dtype, rop, root;
     int needs;          /* -1: every rank, -2: none, else that one rank */
     int slices;         /* allreduce by slices: reduce-scatter then allgather per piece */
+    int inplace;        /* allreduce by slices read straight from the peers' buffers */
+    int err;            /* errno of a failed process_vm_readv (the operation failed) */
+    int errpeer;
+    int64_t cma_mask;   /* W_CMA_OK of this rank once computed, else 0 */
+    char *scratch;      /* (n-1) x CMA_CHUNK, allocated at the first in-place operation */
     int gil;            /* the GIL is held while the operation advances */
     Py_buffer send, recv;
     int has_send, has_recv;
@@ -153,6 +173,8 @@ static int late(Board *b, int k)
         return (b->needs == -1 || b->needs == k) && atomic_load(word(b, k, W_ARRIVE)) < b->seq;
     case 3:
         return atomic_load(word(b, k, W_REDUCED)) < b->seq;
+    case 4:
+        return atomic_load(word(b, k, W_DONE)) < b->seq;
     default:
         return 0;
     }
@@ -278,6 +300,11 @@ static void write_own(Board *b)
 {
     char *mine = slot(b, b->seq, b->me);
     size_t off, l;
+    if (b->inplace) {
+        atomic_store(word(b, b->me, W_ADDR), (int64_t)(intptr_t)b->recv.buf);
+        atomic_store(word(b, b->me, W_CMA_OK), b->cma_mask);
+        return;
+    }
     switch (b->code) {
     case OP_ALLREDUCE:
     case OP_REDUCE:
@@ -401,6 +428,100 @@ static void gather_slices(Board *b)
     }
 }
 
+/* -- in place: single copies with process_vm_readv ------------------------------------- */
+
+static int peer_read(Board *b, int k, void *dst, int64_t remote, size_t n)
+{
+    pid_t pid = (pid_t)atomic_load(word(b, k, W_PID));
+    while (n > 0) {
+        struct iovec here = {dst, n}, there = {(void *)(intptr_t)remote, n};
+        ssize_t got = process_vm_readv(pid, &here, 1, &there, 1, 0);
+        if (got <= 0) {
+            if (got < 0 && errno == EINTR)
+                continue;
+            b->err = got < 0 ? errno : EIO;
+            b->errpeer = k;
+            return -1;
+        }
+        dst = (char *)dst + got;
+        remote += got;
+        n -= (size_t)got;
+    }
+    return 0;
+}
+
+/* This rank's readability of every peer: the nonce each peer wrote at an address of its
+ * own memory, read back through process_vm_readv (fails across PID namespaces, under
+ * Yama ptrace restrictions and seccomp filters). */
+static int64_t cma_probe(Board *b)
+{
+    int64_t mask = CMA_COMPUTED;
+    for (int k = 0; k < b->n; k++) {
+        int64_t got = 0, want = atomic_load(word(b, k, W_NONCE));
+        if (k == b->me) {
+            mask |= 1LL << k;
+            continue;
+        }
+        struct iovec here = {&got, sizeof got};
+        struct iovec there = {(void *)(intptr_t)atomic_load(word(b, k, W_NONCE_ADDR)), 8};
+        pid_t pid = (pid_t)atomic_load(word(b, k, W_PID));
+        if (want != 0 && process_vm_readv(pid, &here, 1, &there, 1, 0) == 8 && got == want)
+            mask |= 1LL << k;
+    }
+    return mask;
+}
+
+/* after the arrivals: can every rank read every other? (the same answer on every rank:
+ * each reads the words all ranks published before arriving) */
+static int all_readable(Board *b)
+{
+    int64_t all = (int64_t)((1ULL << b->n) - 1) | CMA_COMPUTED;
+    for (int k = 0; k < b->n; k++)
+        if ((atomic_load(word(b, k, W_CMA_OK)) & all) != all)
+            return 0;
+    return 1;
+}
+
+/* this rank's slice of the whole buffer, reduced from the peers' buffers chunk by chunk */
+static int reduce_my_slice_inplace(Board *b)
+{
+    size_t count = (size_t)b->recv.len / b->isz, start;
+    size_t len = slice(count, b->n, b->me, &start);
+    size_t chunk = CMA_CHUNK / b->isz;
+    char *mine = (char *)b->recv.buf;
+    for (size_t off = start; off < start + len; off += chunk) {
+        size_t m = start + len - off < chunk ? start + len - off : chunk;
+        b->rows[0] = mine + off * b->isz;
+        for (int k = 0, r = 1; k < b->n; k++) {
+            if (k == b->me)
+                continue;
+            char *dst = b->scratch + (size_t)(r - 1) * CMA_CHUNK;
+            if (peer_read(b, k, dst, atomic_load(word(b, k, W_ADDR)) + (int64_t)(off * b->isz),
+                          m * b->isz) < 0)
+                return -1;
+            b->rows[r++] = dst;
+        }
+        fold(b, (void *)b->rows[0], m);
+    }
+    return 0;
+}
+
+/* every other rank's reduced slice, straight into this rank's buffer */
+static int gather_slices_inplace(Board *b)
+{
+    size_t count = (size_t)b->recv.len / b->isz, start;
+    for (int k = 0; k < b->n; k++) {
+        if (k == b->me)
+            continue;
+        size_t len = slice(count, b->n, k, &start);
+        if (len && peer_read(b, k, (char *)b->recv.buf + start * b->isz,
+                             atomic_load(word(b, k, W_ADDR)) + (int64_t)(start * b->isz),
+                             len * b->isz) < 0)
+            return -1;
+    }
+    return 0;
+}
+
 static void release_op(Board *b)
 {
     if (b->has_send)
@@ -423,7 +544,8 @@ static void announce(Board *b, int w, int always)
             ring(b, k, always);
 }
 
-/* Run the operation in progress as far as it goes: 0 complete, 1 a wait is pending.
+/* Run the operation in progress as far as it goes: 0 complete, 1 a wait is pending, -1
+ * failed (b->err).
  * Each piece has its own sequence number and uses bank seq & 1. */
 static int advance(Board *b)
 {
@@ -438,7 +560,25 @@ static int advance(Board *b)
         if (b->stage == 2) {
             if (!spin(b))
                 return 1;
-            if (b->slices) {
+            if (b->inplace && !all_readable(b)) {
+                /* some pair cannot read the other: the same operation by slices through
+                 * the slots (every rank sees the same words, so every rank switches) */
+                announce(b, W_DONE, 0);
+                b->inplace = 0;
+                b->slices = 1;
+                b->step = b->slot_size / b->isz * b->isz;
+                b->npieces = b->recv.len ? (int64_t)(((size_t)b->recv.len + b->step - 1) / b->step) : 1;
+                b->piece = 0;
+                b->seq += 1;
+                b->stage = 1;
+                continue;
+            }
+            if (b->inplace) {
+                if (reduce_my_slice_inplace(b) < 0)
+                    return -1;
+                announce(b, W_REDUCED, 1);
+                b->stage = 3;
+            } else if (b->slices) {
                 reduce_my_slice(b);
                 announce(b, W_REDUCED, 1);
                 b->stage = 3;
@@ -449,7 +589,21 @@ static int advance(Board *b)
         if (b->stage == 3) {
             if (!spin(b))
                 return 1;
-            gather_slices(b);
+            if (b->inplace) {
+                if (gather_slices_inplace(b) < 0)
+                    return -1;
+                /* peers may still be reading this rank's slice: the buffer goes back to
+                 * the caller only once every rank is done */
+                announce(b, W_DONE, 1);
+                b->stage = 4;
+            } else {
+                gather_slices(b);
+            }
+        }
+        if (b->stage == 4) {
+            if (!spin(b))
+                return 1;
+            return 0;
         }
         announce(b, W_DONE, 0);
         if (++b->piece >= b->npieces)
@@ -476,6 +630,11 @@ static int run_advance(Board *b)
 static int step_op(Board *b)
 {
     int rc = run_advance(b);
+    if (rc < 0) {
+        errno = b->err;
+        PyErr_Format(PyExc_OSError, "engine: reading local rank %d's memory "
+                     "(process_vm_readv) failed: %s", b->errpeer, strerror(b->err));
+    }
     if (rc == 0 || PyErr_Occurred())
         release_op(b);
     return rc;
@@ -537,6 +696,8 @@ static void Board_dealloc(Board *b)
     release_op(b);
     PyMem_Free(b->rows);
     b->rows = NULL;
+    PyMem_Free(b->scratch);
+    b->scratch = NULL;
     if (b->held)
         PyBuffer_Release(&b->seg);
     b->held = 0;
@@ -554,21 +715,23 @@ static int get_buf(PyObject *o, Py_buffer *view, int writable, const char *what)
     return 0;
 }
 
-/* run(code, dtype, op, root, send, recv, counts[, nbytes[, slices]]) -> 0 done, 1 pending
+/* run(code, dtype, op, root, send, recv, counts[, nbytes[, mode]]) -> 0 done, 1 pending
  *
  * With nbytes >= 0, recv is the address of that many bytes instead of a buffer object (a
  * torch tensor's data_ptr(): torch tensors do not export buffers); the caller keeps the
- * memory alive until the operation completes or is abandoned. ``slices``: allreduce by
- * reduce-scatter + allgather through the slots (each rank reduces 1/n of every piece)
- * instead of every rank reducing every piece. Data larger than a slot moves in pieces. */
+ * memory alive until the operation completes or is abandoned. ``mode`` (allreduce):
+ * 0 every rank reduces every piece; 1 slices: reduce-scatter + allgather through the
+ * slots (each rank reduces 1/n of every piece); 2 in place: the same, reading the peers'
+ * buffers with process_vm_readv (one copy; by slices through the slots when some pair
+ * cannot). Data larger than a slot moves through the slots in pieces. */
 static PyObject *Board_run(Board *b, PyObject *args)
 {
     int code, dtype, rop, root;
     PyObject *send, *recv, *counts;
     Py_ssize_t at_bytes = -1;
-    int slices = 0;
-    if (!PyArg_ParseTuple(args, "iiiiOOO|np", &code, &dtype, &rop, &root, &send, &recv,
-                          &counts, &at_bytes, &slices))
+    int mode = 0;
+    if (!PyArg_ParseTuple(args, "iiiiOOO|ni", &code, &dtype, &rop, &root, &send, &recv,
+                          &counts, &at_bytes, &mode))
         return NULL;
     if (!b->held) {
         PyErr_SetString(PyExc_RuntimeError, "engine: the board is closed");
@@ -714,7 +877,18 @@ static PyObject *Board_run(Board *b, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "engine: the slot is too small for this operation");
         goto fail;
     }
-    b->slices = slices && code == OP_ALLREDUCE && b->n > 1;
+    b->slices = mode == MODE_SLICES && code == OP_ALLREDUCE && b->n > 1;
+    b->inplace = mode == MODE_INPLACE && code == OP_ALLREDUCE && b->n > 1 && b->n <= 62;
+    b->err = 0;
+    if (b->inplace && b->scratch == NULL) {
+        b->scratch = PyMem_Malloc((size_t)(b->n - 1) * CMA_CHUNK);
+        if (b->scratch == NULL) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+    }
+    if (b->inplace && b->cma_mask == 0)
+        b->cma_mask = cma_probe(b);
     b->piece = 0;
     b->npieces = block ? (int64_t)((block + b->step - 1) / b->step) : 1;
     /* hold the GIL only for small operations: a large one's copies run without it */
