@@ -224,3 +224,64 @@ def case_fast_path_falls_back(comm: Any) -> None:
 
 def test_fast_path_falls_back(pools: Any) -> None:
     pools.get(2, "shm").run(case_fast_path_falls_back)
+
+
+# ------------------------------------------------------- single copies and their fallback
+
+
+def case_inplace_ops(comm: Any, forbid: bool) -> None:
+    """Every operation by the in-place algorithm, at sizes of 0, 1, odd and several
+    slots and scratch chunks; with ``forbid``, rank 1 says it cannot read its peers'
+    memory (as where process_vm_readv is refused) and every rank falls back to the
+    slots, alike."""
+    if forbid and comm.rank == 1:
+        comm._fabric.host.board.forbid_single_copy()  # private: no public switch for this
+    size, rank = comm.size, comm.rank
+    for count in (0, 1, 7, 70001):
+        ins = [values("float32", count, r, op="sum") for r in range(size)]
+        buf = make("float32", count, rank, op="sum")
+        comm.allreduce(buf)
+        assert_equal(buf, ref.allreduce(ins, "sum")[rank], f"allreduce {count}")
+        buf = make("float32", count, rank, op="sum")
+        comm.reduce(buf, size - 1)
+        assert_equal(buf, ref.reduce(ins, size - 1, "sum")[rank], f"reduce {count}")
+        buf = make("int64", count, rank)
+        comm.broadcast(buf, 1)
+        assert_equal(buf, values("int64", count, 1), f"broadcast {count}")
+        out = np.empty(count * size, np.int64)
+        comm.allgather(make("int64", count, rank), out)
+        assert_equal(out, np.concatenate([values("int64", count, r) for r in range(size)]),
+                     f"allgather {count}")
+        big = [values("int32", count * size, r, op="sum") for r in range(size)]
+        rs = np.empty(count, np.int32)
+        comm.reduce_scatter(make("int32", count * size, rank, op="sum"), rs)
+        assert_equal(rs, ref.reduce_scatter(big, "sum", "int32")[rank], f"reduce_scatter {count}")
+        a2a = np.empty(count * size, np.int32)
+        comm.alltoall(make("int32", count * size, rank, op="sum"), a2a)
+        assert_equal(a2a, ref.alltoall(big)[rank], f"alltoall {count}")
+        g = np.empty(count * size, np.int64) if rank == 0 else None
+        comm.gather(make("int64", count, rank), g, 0)
+        if rank == 0:
+            assert_equal(g, np.concatenate([values("int64", count, r) for r in range(size)]),
+                         f"gather {count}")
+        sc = np.empty(count, np.int64)
+        comm.scatter(np.concatenate([values("int64", count, r) for r in range(size)])
+                     if rank == 2 % size else None, sc, 2 % size)
+        assert_equal(sc, values("int64", count, rank), f"scatter {count}")
+    fallbacks = comm._fabric.host.board.fallbacks  # private: what ran where
+    assert (fallbacks >= 32) if forbid else (fallbacks == 0), fallbacks
+
+
+INPLACE = ("allreduce:inplace;reduce:inplace;broadcast:inplace;allgather:inplace;"
+           "reduce_scatter:inplace;alltoall:inplace;gather:inplace;scatter:inplace")
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_inplace_single_copies(pools: Any, size: int) -> None:
+    pools.get(size, "shm", env={"PLAIT_ALGO": INPLACE}).run(case_inplace_ops, False)
+
+
+def test_inplace_falls_back_to_the_slots(pools: Any) -> None:
+    # a pool of its own (the barrier rule only makes its key differ): the switch stays
+    pools.get(3, "shm", env={"PLAIT_ALGO": INPLACE + ";barrier:direct"}).run(
+        case_inplace_ops, True)

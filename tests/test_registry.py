@@ -19,13 +19,13 @@ WORLDS = range(1, 10)
 
 EXPECTED = {
     "allreduce": ("direct", "slices", "inplace", "rd", "ring", "hier"),
-    "broadcast": ("direct", "tree", "chain", "hier"),
-    "reduce": ("direct", "tree"),
-    "allgather": ("direct", "bruck", "ring", "hier"),
-    "reduce_scatter": ("direct", "ring", "hier"),
-    "alltoall": ("direct", "pairwise", "hier"),
-    "gather": ("direct", "linear"),
-    "scatter": ("direct", "linear"),
+    "broadcast": ("direct", "inplace", "tree", "chain", "hier"),
+    "reduce": ("direct", "inplace", "tree"),
+    "allgather": ("direct", "inplace", "bruck", "ring", "hier"),
+    "reduce_scatter": ("direct", "inplace", "ring", "hier"),
+    "alltoall": ("direct", "inplace", "pairwise", "hier"),
+    "gather": ("direct", "inplace", "linear"),
+    "scatter": ("direct", "inplace", "linear"),
     "barrier": ("direct", "dissemination"),
 }
 
@@ -114,7 +114,7 @@ def test_names_and_feasibility() -> None:
     assert registry.names("allgatherv") == EXPECTED["allgather"]
     assert registry.key("reduce_scatterv") == "reduce_scatter"
     with pytest.raises(ValueError, match=r"alltoallv has no algorithm 'ring' \(choose from "
-                                         r"direct, pairwise, hier\)"):
+                                         r"direct, inplace, pairwise, hier\)"):
         registry.get("alltoallv", "ring")
     with pytest.raises(ValueError, match="no collective operation 'allfoo'"):
         registry.get("allfoo", "ring")

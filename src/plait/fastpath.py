@@ -81,7 +81,7 @@ class FastPath:
             algo = self._sizes[nbytes] = self._choose(nbytes)
             if len(self._sizes) > 4096:
                 self._sizes.clear()
-        mode = engine.MODES.get(algo)
+        mode = self._host.modes.get(algo)
         if mode is None:
             return False
         dt, code, dtype, avg = ent

@@ -221,9 +221,10 @@ register(Algorithm(
     "shared-memory slots, per piece: each rank reduces 1/n of it in place, then every "
     "rank copies all n slices; every rank on one host", _slices))
 register(Algorithm(
-    "inplace", ("allreduce",), HOST,
-    "slices read straight from the peers' buffers (process_vm_readv: one copy), by slices "
-    "through the slots where some pair cannot; every rank on one host", _slices))
+    "inplace", tuple(op for op in OPS if op != "barrier"), HOST,
+    "what each rank needs read straight from the peers' buffers (process_vm_readv: one "
+    "copy; allreduce by slices), through the slots where some pair cannot; every rank on "
+    "one host (not alltoallv, reduce_scatterv)", _direct))
 _schedule("rd", ("allreduce",), "recursive doubling, any size; small messages", allreduce_rd)
 _schedule("ring", ("allreduce",), "reduce-scatter ring + allgather ring, in topology order",
           allreduce_ring)

@@ -57,20 +57,23 @@ class EngineHost:
     """The host collective of the direct algorithms over a segment's slots."""
 
     def __init__(self, mapping: object, n: int, me: int, ctl_offset: int, slots_offset: int,
-                 slot_size: int, policy: WaitPolicy) -> None:
+                 slot_size: int, policy: WaitPolicy, single_copy: bool = True) -> None:
         self.board = _engine.Board(mapping, n, me, ctl_offset, slots_offset, slot_size,
                                    int(policy.spin_s * 1e9), policy.yield_cpu)
         self.check = policy.check
+        # PLAIT_CMA_MIN_SIZE=0 turns single copies off: "inplace" then runs as "slices"
+        self.modes = dict(MODES) if single_copy else {**MODES, "inplace": MODES["slices"]}
 
     def supports(self, op: str, algo: str) -> bool:
-        return op in OPS and (algo == "direct" or (algo in MODES and op == "allreduce"))
+        return op in OPS and (algo == "direct" or (algo == "inplace" and op != "barrier")
+                              or (algo == "slices" and op == "allreduce"))
 
     def start(self, algo: str, call: HostCall, ctx: OpCtx) -> Request:
         dt = call.dtype
         rop = call.rop
         self.run_codes(OPS[call.op], DTYPES[dt.name] if dt is not None else DTYPES["uint8"],
                        REDUCE_OPS[rop] if rop is not None else 0, call.root, call.send,
-                       call.recv, tuple(call.counts), ctx, mode=MODES[algo])
+                       call.recv, tuple(call.counts), ctx, mode=self.modes[algo])
         return _DONE
 
     def run_codes(self, op: int, dtype: int, rop: int, root: int, send: Any, recv: Any,

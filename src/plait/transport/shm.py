@@ -50,6 +50,12 @@ W_ABORT = 7  # abort notice: 1 + the lost rank, or negative (see plait.health)
 W_OP_SEQ = 8  # sequence number of the collective this rank is blocked in (slow path)
 W_OP_DONE = 9  # ... and of the last one it finished (diagnosis of timeouts)
 W_START = 10  # this process's start time (/proc/<pid>/stat field 22): with W_PID, who it is
+# 11-13: the compiled engine's (transport/csrc/engine.c): W_REDUCED (last piece whose slice
+# this rank reduced), W_ADDR (its buffer's address, in-place allreduce), W_CMA_OK (which
+# ranks it can read, probed once)
+W_REDUCED = 11
+W_ADDR = 12
+W_CMA_OK = 13
 
 KIND_COLL = 0
 KIND_P2P = 1

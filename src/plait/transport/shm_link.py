@@ -513,7 +513,7 @@ class ShmTransport:
             lay = seg.layout
             # the control words start after the segment's 8-byte magic header
             self._host = EngineHost(seg.mm, lay.local_size, seg.me, 8, lay.slots_off,
-                                    lay.slot_size, policy)
+                                    lay.slot_size, policy, single_copy=self.cma_min > 0)
         return self._host
 
     def describe(self) -> dict[str, Any]:

@@ -44,18 +44,19 @@ log = logging.getLogger("plait.select")
 ALGORITHMS: dict[str, tuple[str, ...]] = {op: registry.names(op) for op in registry.OPS}
 """Operation (selection key) -> its algorithms' names, from the registry."""
 
-# The defaults, in the same grammar. "direct" (the compiled engine, through the slots)
-# first wherever every rank is on one host, up to the size where the schedules' single
-# copies (process_vm_readv) overtake its two copies (measured: docs/PERFORMANCE.md).
+# The defaults, in the same grammar: every rank on one host, the compiled engine —
+# "direct" through the slots for small data, "inplace" (single copies from the peers'
+# buffers) from the sizes where it measured faster (docs/PERFORMANCE.md); otherwise hier
+# where it can run, then the schedules.
 DEFAULTS = (
-    "allreduce:0-4M:direct,hier,0-64K:rd,ring;"
-    "broadcast:0-1M:direct,hier,0-256K:tree,chain;"
-    "reduce:0-4M:direct,tree;"
-    "allgather:0-1M:direct,hier,0-64K:bruck,ring;"
-    "reduce_scatter:0-4M:direct,hier,ring;"
-    "alltoall:0-1M:direct,hier,pairwise;"
-    "gather:0-1M:direct,linear;"
-    "scatter:0-1M:direct,linear;"
+    "allreduce:0-2M:direct,inplace,hier,0-64K:rd,ring;"
+    "broadcast:0-16K:direct,inplace,hier,0-256K:tree,chain;"
+    "reduce:0-16K:direct,inplace,tree;"
+    "allgather:0-16K:direct,inplace,hier,0-64K:bruck,ring;"
+    "reduce_scatter:0-16K:direct,inplace,hier,ring;"
+    "alltoall:0-16K:direct,inplace,hier,pairwise;"
+    "gather:0-16K:direct,inplace,linear;"
+    "scatter:0-16K:direct,inplace,linear;"
     "barrier:direct,dissemination"
 )
 

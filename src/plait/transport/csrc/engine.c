@@ -71,7 +71,7 @@ enum { OP_ALLREDUCE, OP_REDUCE, OP_BROADCAST, OP_ALLGATHERV, OP_GATHER, OP_SCATT
 /* In-place allreduce: peers' data is read in chunks of this many bytes per peer into a
  * scratch buffer (n-1 chunks: all rows of a chunk are folded at once, so 16-bit floats are
  * still rounded once) and reduced from there while it is in L2. */
-#define CMA_CHUNK (64u << 10)
+#define CMA_CHUNK (256u << 10)
 #define CMA_COMPUTED (1LL << 62)
 
 /* Spin this long holding the GIL before releasing it for the rest of the spin: a peer
@@ -120,6 +120,7 @@ typedef struct {
     int errpeer;
     int64_t cma_mask;   /* W_CMA_OK of this rank once computed, else 0 */
     char *scratch;      /* (n-1) x CMA_CHUNK, allocated at the first in-place operation */
+    long long fallbacks; /* in-place operations that ran through the slots instead */
     int gil;            /* the GIL is held while the operation advances */
     Py_buffer send, recv;
     int has_send, has_recv;
@@ -301,7 +302,11 @@ static void write_own(Board *b)
     char *mine = slot(b, b->seq, b->me);
     size_t off, l;
     if (b->inplace) {
-        atomic_store(word(b, b->me, W_ADDR), (int64_t)(intptr_t)b->recv.buf);
+        /* what peers read: the buffer for allreduce, reduce and broadcast, else the send
+         * buffer (a rank that has none publishes 0; no one reads it) */
+        int own = b->code == OP_ALLREDUCE || b->code == OP_REDUCE || b->code == OP_BROADCAST;
+        void *src = own ? (b->has_recv ? b->recv.buf : NULL) : (b->has_send ? b->send.buf : NULL);
+        atomic_store(word(b, b->me, W_ADDR), (int64_t)(intptr_t)src);
         atomic_store(word(b, b->me, W_CMA_OK), b->cma_mask);
         return;
     }
@@ -506,6 +511,95 @@ static int reduce_my_slice_inplace(Board *b)
     return 0;
 }
 
+/* ``len`` bytes from offset ``off`` of the buffer rank k published */
+static int read_from(Board *b, int k, void *dst, size_t off, size_t len)
+{
+    if (len == 0)
+        return 0;
+    if (k == b->me) {
+        /* this rank's own part: a local copy (memmove: in-place calls alias it) */
+        const char *src = (const char *)(intptr_t)atomic_load(word(b, k, W_ADDR)) + off;
+        if (src != dst)
+            memmove(dst, src, len);
+        return 0;
+    }
+    return peer_read(b, k, dst, atomic_load(word(b, k, W_ADDR)) + (int64_t)off, len);
+}
+
+/* block ``[off, off + count)`` elements of every rank's published buffer (at byte
+ * ``base`` in it), folded into out: this rank's row first, then the others in rank order,
+ * in chunks read through the scratch buffer */
+static int reduce_from_peers(Board *b, char *out, size_t base, size_t count)
+{
+    size_t chunk = CMA_CHUNK / b->isz;
+    const char *mine = (const char *)(intptr_t)atomic_load(word(b, b->me, W_ADDR)) + base;
+    for (size_t off = 0; off < count; off += chunk) {
+        size_t m = count - off < chunk ? count - off : chunk;
+        if (out + off * b->isz != mine + off * b->isz)
+            memmove(out + off * b->isz, mine + off * b->isz, m * b->isz);
+        b->rows[0] = out + off * b->isz;
+        for (int k = 0, r = 1; k < b->n; k++) {
+            if (k == b->me)
+                continue;
+            char *dst = b->scratch + (size_t)(r - 1) * CMA_CHUNK;
+            if (read_from(b, k, dst, base + off * b->isz, m * b->isz) < 0)
+                return -1;
+            b->rows[r++] = dst;
+        }
+        fold(b, (void *)b->rows[0], m);
+    }
+    return 0;
+}
+
+/* every operation but allreduce, in place: what this rank needs, read straight from the
+ * buffers the needed ranks published */
+static int moves_inplace(Board *b)
+{
+    char *out = b->has_recv ? b->recv.buf : NULL;
+    size_t n = (size_t)b->n, c;
+    int me = b->me;
+    switch (b->code) {
+    case OP_BROADCAST:
+        return me == b->root ? 0 : read_from(b, b->root, out, 0, (size_t)b->recv.len);
+    case OP_SCATTER:
+        c = (size_t)b->recv.len;
+        return read_from(b, b->root, out, (size_t)me * c, c);
+    case OP_ALLGATHERV: {
+        size_t disp = 0;
+        for (int k = 0; k < b->n; k++) {
+            c = (size_t)b->counts[k] * b->isz;
+            if (read_from(b, k, out + disp, 0, c) < 0)
+                return -1;
+            disp += c;
+        }
+        return 0;
+    }
+    case OP_GATHER:
+        if (me != b->root)
+            return 0;
+        c = (size_t)b->send.len;
+        for (int k = 0; k < b->n; k++)
+            if (read_from(b, k, out + (size_t)k * c, 0, c) < 0)
+                return -1;
+        return 0;
+    case OP_ALLTOALL:
+        c = (size_t)b->recv.len / n;
+        for (int k = 0; k < b->n; k++)
+            if (read_from(b, k, out + (size_t)k * c, (size_t)me * c, c) < 0)
+                return -1;
+        return 0;
+    case OP_REDUCE_SCATTER:
+        c = (size_t)b->recv.len;
+        return reduce_from_peers(b, out, (size_t)me * c, c / b->isz);
+    case OP_REDUCE:
+        if (me != b->root)
+            return 0;
+        return reduce_from_peers(b, out, 0, (size_t)b->recv.len / b->isz);
+    default:
+        return 0;
+    }
+}
+
 /* every other rank's reduced slice, straight into this rank's buffer */
 static int gather_slices_inplace(Board *b)
 {
@@ -564,16 +658,21 @@ static int advance(Board *b)
                 /* some pair cannot read the other: the same operation by slices through
                  * the slots (every rank sees the same words, so every rank switches) */
                 announce(b, W_DONE, 0);
+                b->fallbacks++;
                 b->inplace = 0;
-                b->slices = 1;
-                b->step = b->slot_size / b->isz * b->isz;
-                b->npieces = b->recv.len ? (int64_t)(((size_t)b->recv.len + b->step - 1) / b->step) : 1;
+                b->slices = b->code == OP_ALLREDUCE;
                 b->piece = 0;
                 b->seq += 1;
                 b->stage = 1;
                 continue;
             }
-            if (b->inplace) {
+            if (b->inplace && b->code != OP_ALLREDUCE) {
+                if (moves_inplace(b) < 0)
+                    return -1;
+                /* the buffer goes back to the caller once every reader is done */
+                announce(b, W_DONE, 1);
+                b->stage = 4;
+            } else if (b->inplace) {
                 if (reduce_my_slice_inplace(b) < 0)
                     return -1;
                 announce(b, W_REDUCED, 1);
@@ -878,7 +977,7 @@ static PyObject *Board_run(Board *b, PyObject *args)
         goto fail;
     }
     b->slices = mode == MODE_SLICES && code == OP_ALLREDUCE && b->n > 1;
-    b->inplace = mode == MODE_INPLACE && code == OP_ALLREDUCE && b->n > 1 && b->n <= 62;
+    b->inplace = mode == MODE_INPLACE && code != OP_BARRIER && b->n > 1 && b->n <= 62;
     b->err = 0;
     if (b->inplace && b->scratch == NULL) {
         b->scratch = PyMem_Malloc((size_t)(b->n - 1) * CMA_CHUNK);
@@ -889,6 +988,12 @@ static PyObject *Board_run(Board *b, PyObject *args)
     }
     if (b->inplace && b->cma_mask == 0)
         b->cma_mask = cma_probe(b);
+    /* in place, every rank waits for every arrival, rooted operations too: whether to
+     * fall back to the slots is decided from the words all ranks publish before arriving,
+     * so each must have seen all of them (and readers' buffers are held until stage 4
+     * anyway) */
+    if (b->inplace)
+        b->needs = -1;
     b->piece = 0;
     b->npieces = block ? (int64_t)((block + b->step - 1) / b->step) : 1;
     /* hold the GIL only for small operations: a large one's copies run without it */
@@ -978,9 +1083,23 @@ static PyObject *Board_close(Board *b, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
+/* forbid_single_copy(): this rank says it cannot read its peers' memory, as where
+ * process_vm_readv is refused (containers, Yama): "inplace" operations then run through
+ * the slots on every rank. For tests of that path on machines where it is allowed. */
+static PyObject *Board_forbid_single_copy(Board *b, PyObject *Py_UNUSED(ignored))
+{
+    b->cma_mask = CMA_COMPUTED | (1LL << b->me);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Board_get_seq(Board *b, void *Py_UNUSED(c))
 {
     return PyLong_FromLongLong(b->seq);
+}
+
+static PyObject *Board_get_fallbacks(Board *b, void *Py_UNUSED(c))
+{
+    return PyLong_FromLongLong(b->fallbacks);
 }
 
 static PyObject *Board_get_pending(Board *b, void *Py_UNUSED(c))
@@ -999,12 +1118,16 @@ static PyMethodDef Board_methods[] = {
      "(stage, ranks) the pending wait waits for"},
     {"abandon", (PyCFunction)Board_abandon, METH_NOARGS, "drop the failed operation"},
     {"close", (PyCFunction)Board_close, METH_NOARGS, "release the segment"},
+    {"forbid_single_copy", (PyCFunction)Board_forbid_single_copy, METH_NOARGS,
+     "act as if process_vm_readv were refused (tests)"},
     {NULL, NULL, 0, NULL},
 };
 
 static PyGetSetDef Board_getset[] = {
     {"seq", (getter)Board_get_seq, NULL, "last sequence number begun", NULL},
     {"pending", (getter)Board_get_pending, NULL, "an operation waits to be resumed", NULL},
+    {"fallbacks", (getter)Board_get_fallbacks, NULL,
+     "in-place operations that went through the slots (some pair could not read)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
