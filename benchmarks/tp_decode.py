@@ -100,7 +100,6 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
             ax.bar(xs, coll, width, bottom=rest, color=bars.patches[0].get_facecolor(),
                    alpha=0.45, hatch="//", edgecolor="black", linewidth=0.3)
         ax.set_xticks(range(len(groups)), [f"{d}\nbatch {b}" for d, b in groups])
-        ax.set_yscale("log")
         over = ", oversubscribed" if res["oversubscribed"] else ""
         ax.set_title(f"tp={res['tp']} ({res['cores']} cores{over})")
         ax.set_ylabel("mean ms per token (hatched: in collectives)")

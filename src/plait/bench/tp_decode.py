@@ -326,7 +326,9 @@ def _run(rank: int, opts: RunOptions, out_path: str) -> None:
                     _compile(v, tokens)
                 v.run(tokens[:WARMUP_STEPS])
             for rep in range(opts.reps):
-                for v in variants if rep % 2 == 0 else variants[::-1]:
+                # each repetition in another order: no mode always follows the same one
+                k = rep % len(variants)
+                for v in (variants[k:] + variants[:k])[::(-1) ** rep]:
                     dist.barrier(group=gloo)
                     v.runs.append(v.run(tokens))
             eager = {v.mode: v for v in variants if not v.compiled}
