@@ -8,10 +8,12 @@
 For each TP size it starts one world of local processes (torch.multiprocessing, free
 ports) and decodes 64 teacher-forced tokens per mode (see plait.bench.tp_decode for the
 modes, the model and the accuracy tolerances), reporting per-token latency (median over
-steps, then over repetitions), tokens/s (batch / mean step time), time in collectives per
-token and its share of the step (eager modes: wall time inside the two allreduces of each
-layer, averaged over ranks), and each mode's largest norm-wise relative error of the
-logits against the single-process model on the same tokens. Exit status 1 when an
+steps, then over repetitions), tokens/s (batch / that latency), time in collectives per
+token and its share of the median step (eager modes: wall time inside the two allreduces
+of each layer per step, each rank's median over steps, averaged over ranks; it includes
+waiting for the slower rank). Medians, because the machine is shared: the means (in the
+JSON) follow whatever else runs. And each mode's largest norm-wise relative error of
+the logits against the single-process model on the same tokens. Exit status 1 when an
 accuracy check (or, with --compile, a graph-break check) fails.
 
 With more ranks x threads than cores (4 ranks on 2 cores) the ranks are oversubscribed:
@@ -95,14 +97,14 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
                 c = row.get("coll_ms_per_token", 0.0)
                 xs.append(i + (j - (len(labels) - 1) / 2) * width)
                 coll.append(c)
-                rest.append(max(row["latency_mean_ms"] - c, 0.0))
+                rest.append(max(row["latency_ms"] - c, 0.0))
             bars = ax.bar(xs, rest, width, label=label)
             ax.bar(xs, coll, width, bottom=rest, color=bars.patches[0].get_facecolor(),
                    alpha=0.45, hatch="//", edgecolor="black", linewidth=0.3)
         ax.set_xticks(range(len(groups)), [f"{d}\nbatch {b}" for d, b in groups])
         over = ", oversubscribed" if res["oversubscribed"] else ""
         ax.set_title(f"tp={res['tp']} ({res['cores']} cores{over})")
-        ax.set_ylabel("mean ms per token (hatched: in collectives)")
+        ax.set_ylabel("median ms per token (hatched: in collectives)")
         ax.legend(fontsize=8)
     cfg = results[0]["config"]
     fig.suptitle(f"TP decode, hidden {cfg['hidden']}, {cfg['layers']} layers, "

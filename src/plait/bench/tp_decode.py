@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -141,7 +143,7 @@ def make_reduce(mode: str, group: Any, gloo: Any) -> Reduce | str:
 class Decoded:
     logits: torch.Tensor  # [steps, batch, vocab] float32
     step_s: list[float]
-    coll_s: float
+    coll_s: list[float]  # per step, in the reductions (empty without a timer)
 
 
 def decode(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], model: Decoder,
@@ -149,15 +151,16 @@ def decode(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], model: De
     """Teacher-forced decode of ``tokens`` [steps, batch] from an empty cache."""
     model.reset(tokens.shape[1])
     positions = [torch.tensor(i) for i in range(tokens.shape[0])]
-    logits, times = [], []
-    start_coll = timer.seconds if timer is not None else 0.0
+    logits, times, coll = [], [], []
     with torch.no_grad():
         for i, pos in enumerate(positions):
+            c0 = timer.seconds if timer is not None else 0.0
             t0 = time.perf_counter()
             out = step(tokens[i], pos)
             times.append(time.perf_counter() - t0)
+            if timer is not None:
+                coll.append(timer.seconds - c0)
             logits.append(out)
-    coll = (timer.seconds - start_coll) if timer is not None else 0.0
     return Decoded(torch.stack(logits), times, coll)
 
 
@@ -259,21 +262,22 @@ def _median_ms(runs: list[Decoded]) -> float:
 
 
 def _row(v: Variant, dtype: str, batch: int, ref: Decoded, eager: Decoded | None,
-         all_coll: list[float]) -> dict[str, Any]:
+         coll_medians: list[float]) -> dict[str, Any]:
     step_total = sum(sum(r.step_s) for r in v.runs)
     tokens = sum(len(r.step_s) for r in v.runs)
     mean_s = step_total / tokens
     row: dict[str, Any] = {
         "dtype": dtype, "batch": batch, "mode": v.mode, "compiled": v.compiled,
         "latency_ms": _median_ms(v.runs), "latency_mean_ms": 1e3 * mean_s,
-        "tokens_per_s": batch / mean_s,
+        "tokens_per_s": 1e3 * batch / _median_ms(v.runs), "tokens_per_s_mean": batch / mean_s,
         "rel_err": max(rel_error(r.logits, ref.logits) for r in v.runs),
         "tolerance": TOLERANCE[dtype],
     }
     if v.timer is not None:
-        # averaged over ranks: each rank's own share of its step time
-        row["coll_ms_per_token"] = 1e3 * statistics.mean(all_coll) / tokens
-        row["coll_share"] = statistics.mean(all_coll) / step_total
+        # each rank's median per step, averaged over ranks; share of the median step
+        coll = statistics.mean(coll_medians)
+        row["coll_ms_per_token"] = 1e3 * coll
+        row["coll_share"] = coll / statistics.median(t for r in v.runs for t in r.step_s)
     if v.compiled:
         row["graph_breaks"] = v.graph_breaks
         row["compile_s"] = v.compile_s
@@ -282,8 +286,19 @@ def _row(v: Variant, dtype: str, batch: int, ref: Decoded, eager: Decoded | None
     return row
 
 
+def _die_with_parent() -> None:
+    """Linux: end this rank when the launching process dies (killed, interrupted), so no
+    rank outlives the benchmark."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 def rank_main(rank: int, opts: RunOptions, port: int, out_path: str) -> None:
     """One rank of the TP world; rank 0 writes the results to ``out_path`` (JSON)."""
+    _die_with_parent()
     torch.set_num_threads(opts.rank_threads())
     if opts.compile:
         import torch._inductor.config as inductor_config
@@ -334,7 +349,9 @@ def _run(rank: int, opts: RunOptions, out_path: str) -> None:
             eager = {v.mode: v for v in variants if not v.compiled}
             for v in variants:
                 all_coll: list[Any] = [None] * opts.tp
-                dist.all_gather_object(all_coll, sum(r.coll_s for r in v.runs), group=gloo)
+                mine = [c for r in v.runs for c in r.coll_s]
+                dist.all_gather_object(all_coll, statistics.median(mine) if mine else 0.0,
+                                       group=gloo)
                 if ref is not None:
                     twin_run = eager[v.mode].runs[0] if v.compiled else None
                     rows.append(_row(v, dname, batch, ref, twin_run, all_coll))
