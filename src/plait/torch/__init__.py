@@ -7,6 +7,8 @@ group ``torch.backends``)::
     dist.init_process_group("plait")                          # torchrun (env://)
     dist.init_process_group("plait", init_method="plait://")  # mpirun, srun
 
+and the op ``torch.ops.plait.all_reduce_(t, group_name, op)`` (see :mod:`plait.torch.ops`).
+
 See docs/TORCH.md.
 """
 
@@ -26,6 +28,9 @@ try:
     from .elastic import shrink
 
     register()
+    from . import ops
+
+    ops.register()
 except Exception:
     # The entry point hook runs inside `import torch`: raising there would break every
     # `import torch` in the environment. An explicit `import plait.torch` does raise.

@@ -23,6 +23,8 @@ private torch name.
 - ``*Options.asyncOp``: set by ``torch.distributed``'s Python functions to the caller's
   ``async_op`` (C++ callers leave the default, True). A synchronous call can thus run
   inline and return a completed Work without a future.
+- ``distributed_c10d._resolve_process_group``: the group registered under a name, as
+  functional collectives name groups (``torch.ops.plait.all_reduce_`` takes one).
 - ``ProcessGroup._device_types``: the devices a group serves. torch fills it only through
   ``_register_backend``, which needs a C++ ``Backend`` (not constructible from Python)
   and which ``_new_process_group_helper`` skips for a group that is a ``ProcessGroup``
@@ -47,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 WorkBase = dist._Work
 """Base class of plait's c10d Work objects."""
@@ -128,6 +131,12 @@ def register_group(pg: Any, backend: str, store: Any, name: str,
         backend_config=f"cpu:{backend}", rank_mapping=global_to_group)
 
 
+def resolve_group(group_name: str) -> Any:
+    """The process group registered under ``group_name`` (as functional collectives name
+    groups); RuntimeError when there is none."""
+    return _resolve_process_group(group_name)
+
+
 def check() -> list[str]:
     """Problems with the private torch APIs above in this torch build (empty when fine)."""
     problems: list[str] = []
@@ -144,6 +153,9 @@ def check() -> list[str]:
          "ProcessGroup._set_group_name is gone (group names are set differently)")
     need(hasattr(record_function, "_call_end_callbacks_on_future"),
          "record_function._call_end_callbacks_on_future is gone")
+    need(callable(getattr(dist.distributed_c10d, "_resolve_process_group", None)),
+         "torch.distributed.distributed_c10d._resolve_process_group is gone (groups are "
+         "looked up by name differently)")
     need(callable(getattr(torch.autograd, "_profiler_enabled", None)),
          "torch.autograd._profiler_enabled is gone")
     need(callable(getattr(dist.distributed_c10d, "_register_pg_in_world", None)),

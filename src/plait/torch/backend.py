@@ -369,6 +369,19 @@ class ProcessGroupPlait(ServesDevices, dist.ProcessGroup):  # type: ignore[misc]
             return self._sync(name, lambda: start(False), finish)
         return self._async(name, lambda: start(True), outputs, finish)
 
+    def allreduce_inplace(self, t: Tensor, op: ReduceOp) -> None:
+        """Reduce the contiguous CPU tensor ``t`` in place over the group and return when
+        done: the synchronous path of :meth:`allreduce` without c10d's options and Work
+        (``torch.ops.plait.all_reduce_`` calls it). Checked (``PLAIT_DEBUG=check``),
+        numbered and recorded like every operation of the group."""
+        if self._check is not None:
+            self._check("allreduce", t.dtype, t.numel(), ANY, op.name)
+        if profiler_enabled():
+            with record_function("plait::allreduce"):
+                self._comm.allreduce(t, op)
+        else:
+            self._comm.allreduce(t, op)
+
     # -- allreduce ------------------------------------------------------------------
     def allreduce(self, tensors: list[Tensor], opts: Any = None) -> WorkBase:  # type: ignore[override]
         if opts is None:
@@ -377,19 +390,16 @@ class ProcessGroupPlait(ServesDevices, dist.ProcessGroup):  # type: ignore[misc]
             _one(tensors, "allreduce")
         t = tensors[0]
         op, factor = _reduce_op(opts.reduceOp)
+        if (factor is None and not opts.asyncOp and self._coalesced is None
+                and t.is_contiguous()):
+            # The latency-critical path: no closure, no Work, no future.
+            self.allreduce_inplace(t, op)
+            return _DONE
         if self._check is not None:
             self._check("allreduce", t.dtype, t.numel(), ANY, _red_name(op, factor))
         if factor is not None:
             t.mul_(factor)
         comm = self._comm
-        if not opts.asyncOp and self._coalesced is None and t.is_contiguous():
-            # The latency-critical path: no closure, no Work, no future.
-            if profiler_enabled():
-                with record_function("plait::allreduce"):
-                    comm.allreduce(t, op)
-            else:
-                comm.allreduce(t, op)
-            return _DONE
         finish: list[Finish] = []
         buf = _contiguous(t, finish)
         return self._go("plait::allreduce", opts.asyncOp,
