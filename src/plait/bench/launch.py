@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import replace
 
-from .backends import mpi_missing
+from .backends import mpi_missing, mpirun_path
 from .options import BenchOptions
 from .setup import free_port
 
@@ -74,7 +74,10 @@ def spawn_local(opts: BenchOptions) -> int:
 def spawn_mpirun(opts: BenchOptions) -> int:
     """Start the ranks under Open MPI's mpirun, so MPI can be measured next to plait."""
     env = _child_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+    mpirun = mpirun_path()
+    if mpirun is None:
+        raise RuntimeError("no mpirun found")  # launch() checks mpi_missing() first
+    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
            "-n", str(opts.nranks),
            "-x", "PYTHONPATH", "-x", "MASTER_ADDR", "-x", "MASTER_PORT",
            sys.executable, "-m", WORKER, opts.to_json()]
@@ -87,6 +90,7 @@ def launch(opts: BenchOptions) -> int:
         why = mpi_missing()
         if why is None:
             return spawn_mpirun(replace(opts, launcher="plait bench via mpirun"))
-        # the ranks report the reason in their header and JSON; say it at once too
-        print(f"plait bench: MPI comparison skipped: {why}", file=sys.stderr)
+        # a comparison that was asked for and cannot run is an error, not a blank column
+        print(f"plait bench: cannot compare with MPI: {why}", file=sys.stderr)
+        return 2
     return spawn_local(replace(opts, launcher="plait bench"))
