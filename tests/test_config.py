@@ -314,7 +314,17 @@ def plait_logger(monkeypatch: pytest.MonkeyPatch) -> Iterator[logging.Logger]:
     logger.setLevel(saved[0])
 
 
+def _without_pytest_handlers(logger: logging.Logger) -> None:
+    """pytest 9.2 and later attach their capture handlers to every non-propagating logger
+    when a test's call phase starts (after fixtures ran): take them off, so the checks see
+    only what plait added (pytest's own removal at the end is then a no-op)."""
+    for h in list(logger.handlers):
+        if type(h).__module__.startswith("_pytest"):
+            logger.removeHandler(h)
+
+
 def test_log_level_applied(plait_logger: logging.Logger) -> None:
+    _without_pytest_handlers(plait_logger)
     assert apply_log_level(Config.from_env({"PLAIT_LOG_LEVEL": "debug"})) == logging.DEBUG
     assert plait_logger.level == logging.DEBUG
     assert len(plait_logger.handlers) == 1
@@ -325,6 +335,7 @@ def test_log_level_applied(plait_logger: logging.Logger) -> None:
 
 
 def test_empty_log_level_leaves_logging_alone(plait_logger: logging.Logger) -> None:
+    _without_pytest_handlers(plait_logger)
     plait_logger.setLevel(logging.ERROR)
     assert apply_log_level(Config.from_env({})) is None
     assert plait_logger.level == logging.ERROR and not plait_logger.handlers
@@ -332,6 +343,7 @@ def test_empty_log_level_leaves_logging_alone(plait_logger: logging.Logger) -> N
 
 def test_log_level_adds_no_handler_when_the_application_has_one(
         plait_logger: logging.Logger, monkeypatch: pytest.MonkeyPatch) -> None:
+    _without_pytest_handlers(plait_logger)
     monkeypatch.setattr(plait_logger, "propagate", True)
     monkeypatch.setattr(logging.getLogger(), "handlers", [logging.NullHandler()])
     apply_log_level(Config(log_level="INFO"))
