@@ -285,3 +285,42 @@ def test_inplace_falls_back_to_the_slots(pools: Any) -> None:
     # a pool of its own (the barrier rule only makes its key differ): the switch stays
     pools.get(3, "shm", env={"PLAIT_ALGO": INPLACE + ";barrier:direct"}).run(
         case_inplace_ops, True)
+
+
+def _killed_mid_inplace(rank: int, port: int, q: Any) -> None:
+    import os
+    import signal
+    import threading
+
+    import plait
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.pop("PLAIT_ALGO", None)
+    comm = plait.init(rank, 3, timeout=60)
+    buf = np.ones((8 << 20) // 4, np.float32)  # 8 MiB: the in-place algorithm
+    comm.allreduce(buf)
+    if rank == 2:
+        # SIGKILL from a timer: lands at any point of an operation, reads of this
+        # rank's memory included; the parent does not reap it (a zombie)
+        threading.Timer(0.25 + 0.011 * (port % 13), os.kill,
+                        (os.getpid(), signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    try:
+        for _ in range(100000):
+            comm.allreduce(buf)
+    except Exception as exc:  # what the survivors raise, and how fast
+        q.put((rank, type(exc).__name__, str(exc), time.monotonic() - t0))
+        return
+    q.put((rank, "none", "", 0.0))
+
+
+def test_peer_killed_during_single_copies_is_named() -> None:
+    """A rank SIGKILLed while its peers read its memory: each survivor raises
+    PeerFailedError naming it, well within the bound — never a raw OSError."""
+    from plait.testing.spawn import run_ranks
+
+    for _ in range(2):
+        out = run_ranks(_killed_mid_inplace, 3, expect=2, timeout=60)
+        for rank, kind, msg, took in out:
+            assert kind == "PeerFailedError", (rank, kind, msg)
+            assert "rank 2" in msg and took < 5, (rank, msg, took)

@@ -91,7 +91,11 @@ class FastPath:
         length = -1 if at is buf else nbytes
 
         def fn(ctx: OpCtx) -> None:
-            if run(_ALLREDUCE, dt, code, 0, None, at, (), length, mode):
+            try:
+                pending = run(_ALLREDUCE, dt, code, 0, None, at, (), length, mode)
+            except OSError as exc:
+                host.failed(exc, ctx)
+            if pending:
                 host.wait(ctx)
 
         if not self._seq.run_inline("allreduce", fn, nbytes, dtype, algo):

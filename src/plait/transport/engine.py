@@ -11,8 +11,9 @@ on.
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
+from ..errors import PlaitError
 from ..reduce import ReduceOp
 from . import _engine
 from .base import DoneRequest, HostCall, OpCtx, Request
@@ -34,6 +35,8 @@ MODES: dict[str, int] = {"direct": 0, "slices": 1, "inplace": 2}
 
 # longest sleep between health checks in a wait (as plait.executor's waits)
 MAX_SLEEP_S = 0.05
+# after a failed read of a peer's memory, how long the health check gets to name the peer
+FAILED_PEER_WAIT_S = 2.0
 
 _DONE = DoneRequest()
 
@@ -83,8 +86,22 @@ class EngineHost:
         takes them (any C-contiguous buffer; None where this rank has none; with
         ``nbytes`` >= 0, ``recv`` is the address of that many bytes); ``mode``: how an
         allreduce runs (MODES)."""
-        if self.board.run(op, dtype, rop, root, send, recv, counts, nbytes, mode):
+        try:
+            pending = self.board.run(op, dtype, rop, root, send, recv, counts, nbytes, mode)
+        except OSError as exc:
+            self.failed(exc, ctx)
+        if pending:
             self.wait(ctx)
+
+    def failed(self, exc: OSError, ctx: OpCtx) -> NoReturn:
+        """Reading a peer's memory failed (process_vm_readv): that peer has most likely
+        died. The health check names it as every other peer failure (it polls liveness
+        at its own pace, well within this bound); else the error says where it happened."""
+        end = time.monotonic() + FAILED_PEER_WAIT_S
+        while time.monotonic() < end:
+            self.check()
+            time.sleep(0.01)
+        raise PlaitError(f"{ctx.where}: {exc}") from exc
 
     def wait(self, ctx: OpCtx) -> None:
         """The slow path of an operation the board left pending (its run() returned 1):
@@ -97,8 +114,11 @@ class EngineHost:
                 if now > ctx.deadline:
                     raise ctx.timeout_error(self.waiting_for())
                 if board.sleep(min(MAX_SLEEP_S, max(ctx.deadline - now, 0.001))):
-                    if not board.resume():
-                        return
+                    try:
+                        if not board.resume():
+                            return
+                    except OSError as exc:
+                        self.failed(exc, ctx)
         except BaseException:
             board.abandon()  # the operation failed: let go of its buffers
             raise
