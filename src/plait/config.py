@@ -294,8 +294,9 @@ class Config:
         "", "Algorithm overrides, e.g. ``allreduce:0-64K:direct,64K-:ring;broadcast:chain``.",
         agree=True)
     shm_slot_size: int = setting(
-        64 << 10, "Bytes per rank in the shared-memory slot used by direct (small-message) "
-        "algorithms.", agree=True, parse=parse_size, check=_check_chunk)
+        64 << 10, "Bytes per rank in the shared-memory slot of the compiled engine's direct "
+        "and slices algorithms; larger data moves through it in pieces of this size.",
+        agree=True, parse=parse_size, check=_check_chunk)
     shm_chunk_size: int = setting(
         256 << 10, "Bytes per chunk of a shared-memory pair ring.", agree=True,
         parse=parse_size, check=_check_chunk)
@@ -303,7 +304,8 @@ class Config:
         8, "Chunks per shared-memory pair ring.", agree=True, check=_check_ring_chunks)
     cma_min_size: int = setting(
         256 << 10, "Shared-memory messages of at least this many bytes are read straight from "
-        "the sender's memory (process_vm_readv: one copy instead of two); 0 turns this off.",
+        "the sender's memory (process_vm_readv: one copy instead of two); 0 turns this off, "
+        "also for the engine's inplace algorithm (which then runs through the slots).",
         agree=True, parse=parse_size, check=_check_non_negative)
     tcp_chunk_size: int = setting(
         1 << 20, "Largest TCP frame payload; large messages are cut into frames of this size.",
