@@ -101,24 +101,32 @@ def test_engine_reduce_rejects_bad_buffers() -> None:
 
 
 def case_half_rounds_once(comm: Any) -> None:
-    """3 ranks: [2048, 1, 1] in float16 is 2050 when accumulated in float32 and rounded
-    once; rounding after every add would lose both ones (2049 rounds to 2048). The same
-    with [256, 1, 1] in bfloat16 (spacing 2 at 256)."""
+    """3 ranks: rank 0 gives 2048 + 4i at element i in float16, the others 1: accumulated
+    in float32 and rounded once that is 2050 + 4i; rounding after every add would lose
+    both ones (2049 + 4i is a tie that rounds to the even 2048 + 4i). The same from 256 in
+    bfloat16 (spacing 2 there too). The base depends on the index, so a misplaced
+    element shows."""
     import torch
 
+    def data(count: int, dtype: Any, big: float) -> Any:
+        if comm.rank == 0:
+            return (big + 4 * torch.arange(count, dtype=torch.float64)).to(dtype)
+        return torch.ones(count, dtype=dtype)
+
     for dtype, big in ((torch.float16, 2048.0), (torch.bfloat16, 256.0)):
-        t = torch.full((5,), big if comm.rank == 0 else 1.0, dtype=dtype)
+        want = [big + 2 + 4 * i for i in range(6)]
+        t = data(6, dtype, big)
         comm.allreduce(t)
-        assert t.tolist() == [big + 2] * 5, (dtype, t)
+        assert t.tolist() == want, (dtype, t)
         # reduce and reduce_scatter fold the same way
-        r = torch.full((5,), big if comm.rank == 0 else 1.0, dtype=dtype)
+        r = data(6, dtype, big)
         comm.reduce(r, 1)
         if comm.rank == 1:
-            assert r.tolist() == [big + 2] * 5, (dtype, r)
-        send = torch.full((3 * comm.size,), big if comm.rank == 0 else 1.0, dtype=dtype)
-        out = torch.empty(3, dtype=dtype)
+            assert r.tolist() == want, (dtype, r)
+        send = data(2 * comm.size, dtype, big)
+        out = torch.empty(2, dtype=dtype)
         comm.reduce_scatter(send, out)
-        assert out.tolist() == [big + 2] * 3, (dtype, out)
+        assert out.tolist() == want[2 * comm.rank:2 * comm.rank + 2], (dtype, out)
 
 
 def test_half_floats_rounded_once(pools: Any) -> None:
@@ -211,15 +219,19 @@ def case_fast_path_falls_back(comm: Any) -> None:
     t = torch.arange(6, dtype=torch.float32) + rank
     comm.allreduce(t)
     assert t.tolist() == [size * i + size * (size - 1) / 2 for i in range(6)]
-    p = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    p = torch.nn.Parameter(torch.arange(3, dtype=torch.float32) * (rank + 1),
+                           requires_grad=False)
     comm.allreduce(p)
-    assert p.tolist() == [float(size)] * 3
-    a = np.full(4, rank + 1.0, np.float64)
+    assert p.tolist() == [i * size * (size + 1) / 2 for i in range(3)]
+    a = np.arange(4, dtype=np.float64) + 2 * rank
     comm.allreduce(a, "avg")
-    assert a.tolist() == [(size + 1) / 2] * 4
-    big = np.ones((1 << 20) // 4, np.float32)  # beyond the slot: the general path's ring
+    assert a.tolist() == [i + size - 1.0 for i in range(4)]
+    # beyond the 1 KiB slot: the engine in many pieces, through the general path
+    n = (1 << 20) // 4
+    big = make("float32", n, rank, op="sum")
     comm.allreduce(big)
-    assert (big == size).all()
+    assert_equal(big, ref.allreduce([values("float32", n, r, op="sum") for r in range(size)],
+                                    "sum")[rank], "1 MiB allreduce")
 
 
 def test_fast_path_falls_back(pools: Any) -> None:

@@ -37,7 +37,7 @@ class FastPath:
         self._calls = calls
         self._size = size
         self._choose = choose  # the algorithm selection picks for this many bytes
-        self._sizes: dict[int, str] = {}
+        self._sizes: dict[int, tuple[str, int | None]] = {}  # (algorithm, engine mode)
         # (numpy dtype, op as passed) -> (dtype code, op code, plait dtype, divide after)
         self._ops: dict[tuple[Any, Any], tuple[int, int, DType, bool]] = {}
         self._tensor: type | None = None
@@ -76,12 +76,13 @@ class FastPath:
             ent = self._learn(buf, op)
             if ent is None:
                 return False
-        algo = self._sizes.get(nbytes)
-        if algo is None:
-            algo = self._sizes[nbytes] = self._choose(nbytes)
+        how = self._sizes.get(nbytes)
+        if how is None:
+            algo = self._choose(nbytes)
+            how = self._sizes[nbytes] = (algo, self._host.modes.get(algo))
             if len(self._sizes) > 4096:
                 self._sizes.clear()
-        mode = self._host.modes.get(algo)
+        algo, mode = how
         if mode is None:
             return False
         dt, code, dtype, avg = ent

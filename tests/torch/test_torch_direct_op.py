@@ -81,17 +81,19 @@ def case_sub_group(w: World) -> None:
 
 
 def case_errors(w: World) -> None:
-    t = torch.ones(3)
+    t = torch.arange(3, dtype=torch.float32) + 10 * w.rank
+    before = t.clone()
     with pytest.raises(TypeError, match=r"not a plait group.*gloo"):
         torch.ops.plait.all_reduce_(t, w.gloo.group_name, "sum")
     with pytest.raises(ValueError, match="no process group named 'no-such-group'"):
         torch.ops.plait.all_reduce_(t, "no-such-group", "sum")
     with pytest.raises(ValueError, match="unknown reduce op 'premul_sum'"):
         torch.ops.plait.all_reduce_(t, dist.group.WORLD.group_name, "premul_sum")
-    same(t, torch.ones(3), "a refused call leaves the tensor as it was")
+    same(t, before, "a refused call leaves the tensor as it was")
     # the group still works after the refused calls (nothing was half started)
     torch.ops.plait.all_reduce_(t, dist.group.WORLD.group_name, "sum")
-    same(t, torch.full((3,), float(w.size)), "sum after errors")
+    n = w.size
+    same(t, torch.arange(3, dtype=torch.float32) * n + 10 * n * (n - 1) / 2, "sum after errors")
 
 
 def case_fake(w: World) -> None:

@@ -40,6 +40,10 @@ FAILED_PEER_WAIT_S = 2.0
 
 _DONE = DoneRequest()
 
+# what a pending wait waits for, by the board's stage (engine.c); 2 (arrivals) says no more
+_STAGES = {1: " to finish the previous operation", 3: " to reduce their slices",
+           4: " to finish reading this rank's buffer"}
+
 
 class WaitPolicy(Protocol):
     """How the communicator waits: spin budget, whether to yield the core, and the
@@ -125,8 +129,7 @@ class EngineHost:
 
     def waiting_for(self) -> str:
         stage, ranks = self.board.waiting()
-        text = "rank(s) " + ", ".join(str(r) for r in ranks)
-        return text + " to finish the previous operation" if stage == 1 else text
+        return "rank(s) " + ", ".join(str(r) for r in ranks) + _STAGES.get(stage, "")
 
     def close(self) -> None:
         self.board.close()

@@ -299,7 +299,6 @@ static void pack(Board *b, char *dst, const char *src, size_t c)
 /* before publishing: this rank's contribution to the piece into its slot */
 static void write_own(Board *b)
 {
-    char *mine = slot(b, b->seq, b->me);
     size_t off, l;
     if (b->inplace) {
         /* what peers read: the buffer for allreduce, reduce and broadcast, else the send
@@ -310,6 +309,7 @@ static void write_own(Board *b)
         atomic_store(word(b, b->me, W_CMA_OK), b->cma_mask);
         return;
     }
+    char *mine = slot(b, b->seq, b->me);
     switch (b->code) {
     case OP_ALLREDUCE:
     case OP_REDUCE:
@@ -487,30 +487,6 @@ static int all_readable(Board *b)
     return 1;
 }
 
-/* this rank's slice of the whole buffer, reduced from the peers' buffers chunk by chunk */
-static int reduce_my_slice_inplace(Board *b)
-{
-    size_t count = (size_t)b->recv.len / b->isz, start;
-    size_t len = slice(count, b->n, b->me, &start);
-    size_t chunk = CMA_CHUNK / b->isz;
-    char *mine = (char *)b->recv.buf;
-    for (size_t off = start; off < start + len; off += chunk) {
-        size_t m = start + len - off < chunk ? start + len - off : chunk;
-        b->rows[0] = mine + off * b->isz;
-        for (int k = 0, r = 1; k < b->n; k++) {
-            if (k == b->me)
-                continue;
-            char *dst = b->scratch + (size_t)(r - 1) * CMA_CHUNK;
-            if (peer_read(b, k, dst, atomic_load(word(b, k, W_ADDR)) + (int64_t)(off * b->isz),
-                          m * b->isz) < 0)
-                return -1;
-            b->rows[r++] = dst;
-        }
-        fold(b, (void *)b->rows[0], m);
-    }
-    return 0;
-}
-
 /* ``len`` bytes from offset ``off`` of the buffer rank k published */
 static int read_from(Board *b, int k, void *dst, size_t off, size_t len)
 {
@@ -600,17 +576,23 @@ static int moves_inplace(Board *b)
     }
 }
 
-/* every other rank's reduced slice, straight into this rank's buffer */
+/* allreduce in place, once every rank has arrived: this rank's slice of the whole
+ * buffer, reduced from the peers' buffers into its own */
+static int reduce_my_slice_inplace(Board *b)
+{
+    size_t start, len = slice((size_t)b->recv.len / b->isz, b->n, b->me, &start);
+    return reduce_from_peers(b, (char *)b->recv.buf + start * b->isz, start * b->isz, len);
+}
+
+/* allreduce in place, once every slice is reduced: the others' slices straight into
+ * this rank's buffer (its own is already there) */
 static int gather_slices_inplace(Board *b)
 {
     size_t count = (size_t)b->recv.len / b->isz, start;
     for (int k = 0; k < b->n; k++) {
-        if (k == b->me)
-            continue;
         size_t len = slice(count, b->n, k, &start);
-        if (len && peer_read(b, k, (char *)b->recv.buf + start * b->isz,
-                             atomic_load(word(b, k, W_ADDR)) + (int64_t)(start * b->isz),
-                             len * b->isz) < 0)
+        if (read_from(b, k, (char *)b->recv.buf + start * b->isz, start * b->isz,
+                      len * b->isz) < 0)
             return -1;
     }
     return 0;
